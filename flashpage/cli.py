@@ -53,9 +53,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept prompts given as input embeddings (vLLM's: {\"prompt_embeds\": "
                         "tensor} in LLM.generate, the completions API's prompt_embeds field)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
-                   help="file:// image URLs may name files under this folder (default: none)")
+                   help="file:// image and video URLs may name files under this folder (default: none)")
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
-                   help="http(s) image URLs may name only these hosts (default: any)")
+                   help="http(s) image and video URLs may name only these hosts (default: any)")
+    g.add_argument("--media-io-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="how a video file is sampled, vLLM's: '{\"video\": {\"num_frames\": 16}}' "
+                        "(default 32 frames spaced evenly; -1: every frame; \"fps\": 2 caps them to 2 a "
+                        "second; needs PyAV: pip install av)")
     g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
                    help="the most images (videos) one prompt may hold, vLLM's form: '{\"image\": 2}' "
                         "(or image=2,video=1); {\"image\": 0} serves an image model's text alone "
@@ -225,6 +229,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),
                allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                allowed_media_domains=getattr(args, "allowed_media_domains", None),
+               media_io_kwargs=getattr(args, "media_io_kwargs", None),
                limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None),
                mm_encoder_cache_tokens=getattr(args, "mm_encoder_cache_tokens", None))

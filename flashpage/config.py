@@ -3261,6 +3261,9 @@ class EngineConfig:
     # URLs may name (None: any) (engine/media.py)
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
+    # vLLM's media_io_kwargs: how a video file is sampled ({"video": {"num_frames": 32,
+    # "fps": -1}}: engine/video_io.py)
+    media_io_kwargs: dict[str, Any] | None = None
     # vLLM's limit_mm_per_prompt: the most items of a modality one prompt may hold
     # ({"image": 2}; None: no limit); {"image": 0} serves an image model's text alone (its
     # tower never loaded; Qwen2-VL, which takes videos too: {"image": 0, "video": 0})
@@ -3278,12 +3281,14 @@ class EngineConfig:
 
     @property
     def media_policy(self) -> MediaPolicy:
-        """What image URLs may be read (engine/media.py); a ConfigError naming a bad field."""
+        """What image and video URLs may be read, and how a video is sampled (engine/media.py); a
+        ConfigError naming a bad field."""
         from flashpage.engine.media import MediaPolicy
 
         try:
             return MediaPolicy(self.allowed_local_media_path,
-                               None if self.allowed_media_domains is None else tuple(self.allowed_media_domains))
+                               None if self.allowed_media_domains is None else tuple(self.allowed_media_domains),
+                               media_io_kwargs=self.media_io_kwargs)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -351,3 +351,17 @@ def media_max_bytes() -> int:
     engine/media.py)."""
     value = os.environ.get("FLASHPAGE_MEDIA_MAX_BYTES", "").strip()
     return int(value) if value else 32 << 20
+
+
+def video_fetch_timeout() -> float:
+    """FLASHPAGE_VIDEO_FETCH_TIMEOUT: seconds a video URL's fetch may take (default 30, vLLM's
+    VLLM_VIDEO_FETCH_TIMEOUT; engine/media.py)."""
+    value = os.environ.get("FLASHPAGE_VIDEO_FETCH_TIMEOUT", "").strip()
+    return float(value) if value else 30.0
+
+
+def video_max_bytes() -> int:
+    """FLASHPAGE_VIDEO_MAX_BYTES: the most encoded bytes a video (URL, file or bytes) may hold
+    (default 256 MiB; engine/media.py, engine/video_io.py)."""
+    value = os.environ.get("FLASHPAGE_VIDEO_MAX_BYTES", "").strip()
+    return int(value) if value else 256 << 20

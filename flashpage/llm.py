@@ -77,6 +77,7 @@ class LLM:
                  hf_overrides: dict[str, Any] | None = None,
                  enable_prompt_embeds: bool = False, allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None,
+                 media_io_kwargs: dict[str, Any] | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None,
                  mm_encoder_cache_tokens: int | None = None, trust_remote_code: bool = False) -> None:
@@ -97,7 +98,8 @@ class LLM:
             generation_config=generation_config,
             override_generation_config=override_generation_config, hf_overrides=hf_overrides,
             enable_prompt_embeds=enable_prompt_embeds, allowed_local_media_path=allowed_local_media_path,
-            allowed_media_domains=allowed_media_domains, limit_mm_per_prompt=limit_mm_per_prompt,
+            allowed_media_domains=allowed_media_domains, media_io_kwargs=media_io_kwargs,
+            limit_mm_per_prompt=limit_mm_per_prompt,
             mm_processor_kwargs=mm_processor_kwargs, mm_encoder_cache_tokens=mm_encoder_cache_tokens,
             trust_remote_code=trust_remote_code)
         if kv_cache_memory is not None:
@@ -364,9 +366,11 @@ class LLM:
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
-        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL (and
-        the other video models) also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
-        images or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
+        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); a model
+        that takes videos (Qwen2-VL / Qwen3-VL, LLaVA-OneVision, InternVL) also ``video_url`` (a video
+        file, decoded and sampled as ``media_io_kwargs`` says: engine/video_io.py) and
+        ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL images
+        or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
         the processor's settings for these conversations' images, as vLLM's (``generate``'s)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -388,14 +392,15 @@ class LLM:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
         from flashpage.engine.multimodal import chat_images, place_images, placeholder_ids
 
+        video_ids = getattr(encoder, "video_placeholder_ids", None)
+        video_text = getattr(encoder, "video_placeholder_text", None)  # InternVL's <video>
+        if video_ids is None and video_text is None and _has_video_parts(conversation):
+            # refused before any file is read
+            raise ValueError("video content parts given, but this model takes no video input "
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL do)")
         conv, parts, images, videos = chat_images(conversation, self.engine.config.media_policy)
         if not images and not videos:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
-        video_ids = getattr(encoder, "video_placeholder_ids", None)
-        video_text = getattr(encoder, "video_placeholder_text", None)
-        if videos and video_ids is None and video_text is None:
-            raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL do)")
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
@@ -536,3 +541,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
         return [cast(list[int], plist)]  # one prompt given as token ids
     return cast(list[Prompt], plist)
+
+
+def _has_video_parts(conversation: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds a video or video_url content part."""
+    return any(isinstance(p, dict) and p.get("type") in ("video", "video_url")
+               for m in conversation if isinstance(m.get("content"), list) for p in m["content"])

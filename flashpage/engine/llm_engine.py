@@ -1099,6 +1099,11 @@ class LLMEngine:
             raise ValueError("multi_modal_data with speculative decoding: its draft would see "
                              "the image placeholders without the image; serve without "
                              "speculative_config for image requests")
+        if isinstance(data, dict) and "video" in data and _takes_video(enc):
+            from flashpage.engine.video_io import decode_sources
+
+            # a video given as a file (path, URL, bytes): decoded and sampled (engine/video_io.py)
+            data = {**data, "video": decode_sources(data["video"], self.config.media_policy)}
         if vision is not None:  # Qwen2-VL's pixel bounds or Gemma 3's pan-and-scan: its encoder's
             prepare: Any = enc.prepare  # (the two encoders that take a request's settings)
             ids, inputs = prepare(ids, data, vision)
@@ -1428,3 +1433,9 @@ class LLMEngine:
                                     "capacity": cache.capacity}
         return out
 
+
+def _takes_video(enc: Any) -> bool:
+    """Whether a multimodal encoder reads multi_modal_data["video"] (its video token)."""
+    return getattr(enc, "video_placeholder_ids", None) is not None or \
+        getattr(enc, "video_placeholder_text", None) is not None or \
+        getattr(getattr(enc, "config", None), "video_token_id", None) is not None

@@ -1,6 +1,7 @@
-"""Images by URL, as vLLM reads them: a chat message's ``image_url`` (on the server and in
-``LLM.chat``) may be a base64 data URL, an http(s) URL (fetched) or a ``file://`` URL (read,
-only under ``allowed_local_media_path``).
+"""Images and videos by URL, as vLLM reads them: a chat message's ``image_url`` or
+``video_url`` (on the server and in ``LLM.chat``) may be a base64 data URL, an http(s) URL
+(fetched) or a ``file://`` URL (read, only under ``allowed_local_media_path``). A video's
+bytes are decoded by engine/video_io.py.
 
 ``MediaPolicy`` holds what a deployment allows (vLLM's flags of the same names):
 
@@ -11,10 +12,14 @@ only under ``allowed_local_media_path``).
 - ``fetch_timeout`` seconds a fetch may take (``FLASHPAGE_MEDIA_FETCH_TIMEOUT``, default 5,
   vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``), ``max_bytes`` an image's encoded bytes may hold
   (``FLASHPAGE_MEDIA_MAX_BYTES``, default 32 MiB; Pillow's decompression-bomb check guards
-  the decoded size).
+  the decoded size). A video's own: ``video_fetch_timeout`` (``FLASHPAGE_VIDEO_FETCH_TIMEOUT``,
+  default 30, vLLM's ``VLLM_VIDEO_FETCH_TIMEOUT``) and ``video_max_bytes``
+  (``FLASHPAGE_VIDEO_MAX_BYTES``, default 256 MiB). The byte caps hold for data URLs too.
+- ``media_io_kwargs``: vLLM's ``--media-io-kwargs``, how a video file is sampled:
+  ``{"video": {"num_frames": 32, "fps": -1}}`` (engine/video_io.py; those are the defaults).
 
-Every failure is a ValueError naming the image (its index in the request) and what is
-wrong, which the server answers with a 400.
+Every failure is a ValueError naming the item (``image 0``, ``video 1``: its index in the
+request) and what is wrong, which the server answers with a 400.
 """
 
 from __future__ import annotations
@@ -32,7 +37,37 @@ from typing import Any
 
 from flashpage import envs
 
-_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
+_DATA_URL = re.compile(r"^data:([A-Za-z]+)?(/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
+MEDIA_IO_KEYS = {"video": {"num_frames", "fps"}}  # what media_io_kwargs may set (engine/video_io.py)
+
+
+def check_media_io_kwargs(kwargs: Any) -> dict[str, dict[str, Any]]:
+    """vLLM's ``media_io_kwargs`` ({"video": {"num_frames": 16}}) checked: a ValueError
+    naming an unknown key or a bad value."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"media_io_kwargs must be a dict such as {{\"video\": {{\"num_frames\": 16}}}}, "
+                         f"got {kwargs!r}")
+    for modality, opts in kwargs.items():
+        if modality not in MEDIA_IO_KEYS:
+            raise ValueError(f"media_io_kwargs: {modality!r} is not read (only \"video\": "
+                             f"{sorted(MEDIA_IO_KEYS['video'])})")
+        if not isinstance(opts, dict):
+            raise ValueError(f"media_io_kwargs[{modality!r}] must be a dict, got {opts!r}")
+        unknown = sorted(set(opts) - MEDIA_IO_KEYS[modality])
+        if unknown:
+            raise ValueError(f"media_io_kwargs[{modality!r}]: unknown key(s) {unknown} (read: "
+                             f"{sorted(MEDIA_IO_KEYS[modality])})")
+        n = opts.get("num_frames", -1)
+        if not isinstance(n, int) or isinstance(n, bool) or not (n == -1 or n > 0):
+            raise ValueError(f"media_io_kwargs[\"video\"][\"num_frames\"] must be a positive int or -1 "
+                             f"(every frame), got {n!r}")
+        fps = opts.get("fps", -1)
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or not (fps == -1 or fps > 0):
+            raise ValueError(f"media_io_kwargs[\"video\"][\"fps\"] must be a positive number or -1 "
+                             f"(no fps cap), got {fps!r}")
+    return {k: dict(v) for k, v in kwargs.items()}
 
 
 @dataclass(frozen=True)
@@ -41,8 +76,12 @@ class MediaPolicy:
     allowed_media_domains: tuple[str, ...] | None = None
     fetch_timeout: float = field(default_factory=envs.media_fetch_timeout)
     max_bytes: int = field(default_factory=envs.media_max_bytes)
+    video_fetch_timeout: float = field(default_factory=envs.video_fetch_timeout)
+    video_max_bytes: int = field(default_factory=envs.video_max_bytes)
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "media_io_kwargs", check_media_io_kwargs(self.media_io_kwargs))
         path = self.allowed_local_media_path
         if path is not None:
             if not isinstance(path, str) or not os.path.isdir(path):
@@ -69,92 +108,126 @@ def decode_image_bytes(raw: bytes, i: int) -> Any:
     return img
 
 
-def data_url_bytes(url: str, i: int) -> bytes:
+def data_url_bytes(url: str, i: int, kind: str = "image") -> bytes:
+    """A base64 data URL's bytes (its media type, where given, ``kind``/...: image/png for
+    an image, video/mp4 for a video); a ValueError naming item ``i`` of ``kind``."""
+    example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
     m = _DATA_URL.match(url)
     if m is None:
-        raise ValueError(f"image {i}: a data URL must be base64 (data:image/png;base64,...), got {url[:40]!r}")
+        raise ValueError(f"{kind} {i}: a data URL must be base64 ({example}), got {url[:40]!r}")
+    if m.group(1) is not None and m.group(1).lower() != kind:
+        raise ValueError(f"{kind} {i}: a data URL of type {(m.group(1) + (m.group(2) or ''))!r} given "
+                         f"as {'an' if kind == 'image' else 'a'} {kind} ({example})")
     try:
-        return base64.b64decode(m.group(3), validate=True)
+        return base64.b64decode(m.group(4), validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ValueError(f"image {i}: its data URL is not valid base64: {e}") from None
+        raise ValueError(f"{kind} {i}: its data URL is not valid base64: {e}") from None
 
 
 class _Redirects(urllib.request.HTTPRedirectHandler):
     """Follows a redirect only to an allowed host."""
 
-    def __init__(self, policy: MediaPolicy, i: int) -> None:
-        self.policy, self.i = policy, i
+    def __init__(self, policy: MediaPolicy, who: str) -> None:
+        self.policy, self.who = policy, who
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        _check_host(newurl, self.policy, self.i, "redirected to")
+        _check_host(newurl, self.policy, self.who, "redirected to")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _check_host(url: str, policy: MediaPolicy, i: int, how: str = "") -> None:
+def _check_host(url: str, policy: MediaPolicy, who: str, how: str = "") -> None:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"image {i}: {how + ' ' if how else ''}{url[:60]!r}: only http(s) URLs are fetched")
+        raise ValueError(f"{who}: {how + ' ' if how else ''}{url[:60]!r}: only http(s) URLs are fetched")
     host = (parts.hostname or "").lower()
     allowed = policy.allowed_media_domains
     if allowed is not None and host not in allowed:
-        raise ValueError(f"image {i}: {how + ' ' if how else ''}host {host!r} is not in "
+        raise ValueError(f"{who}: {how + ' ' if how else ''}host {host!r} is not in "
                          f"allowed_media_domains {list(allowed)}")
 
 
-def _fetch(url: str, i: int, policy: MediaPolicy) -> bytes:
-    _check_host(url, policy, i)
-    opener = urllib.request.build_opener(_Redirects(policy, i))
+def _limits(policy: MediaPolicy, kind: str) -> tuple[int, float, str]:
+    """(the most bytes, the fetch timeout, the variable naming the byte cap) for ``kind``."""
+    if kind == "video":
+        return policy.video_max_bytes, policy.video_fetch_timeout, "FLASHPAGE_VIDEO_MAX_BYTES"
+    return policy.max_bytes, policy.fetch_timeout, "FLASHPAGE_MEDIA_MAX_BYTES"
+
+
+def _fetch(url: str, who: str, policy: MediaPolicy, kind: str) -> bytes:
+    _check_host(url, policy, who)
+    max_bytes, timeout, var = _limits(policy, kind)
+    opener = urllib.request.build_opener(_Redirects(policy, who))
     req = urllib.request.Request(url, headers={"User-Agent": "flashpage"})
     try:
-        with opener.open(req, timeout=policy.fetch_timeout) as resp:
-            raw = resp.read(policy.max_bytes + 1)
+        with opener.open(req, timeout=timeout) as resp:
+            raw = resp.read(max_bytes + 1)
     except ValueError:
         raise
     except urllib.error.HTTPError as e:
-        raise ValueError(f"image {i}: fetching {url[:80]!r} failed: HTTP {e.code} {e.reason}") from None
+        raise ValueError(f"{who}: fetching {url[:80]!r} failed: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ValueError(f"image {i}: fetching {url[:80]!r} failed: {reason}") from None
-    if len(raw) > policy.max_bytes:
-        raise ValueError(f"image {i}: {url[:80]!r} holds more than {policy.max_bytes} bytes "
-                         "(FLASHPAGE_MEDIA_MAX_BYTES)")
+        raise ValueError(f"{who}: fetching {url[:80]!r} failed: {reason}") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"{who}: {url[:80]!r} holds more than {max_bytes} bytes ({var})")
     return raw
 
 
-def _read_file(url: str, i: int, policy: MediaPolicy) -> bytes:
-    root = policy.allowed_local_media_path
-    if root is None:
-        raise ValueError(f"image {i}: file:// URLs are read only under allowed_local_media_path "
-                         "(--allowed-local-media-path), which is not set")
-    parts = urllib.parse.urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"image {i}: a file:// URL names a file on this machine, got host {parts.netloc!r}")
-    path = os.path.realpath(urllib.parse.unquote(parts.path))
-    if os.path.commonpath([root, path]) != root:
-        raise ValueError(f"image {i}: {path!r} is not under allowed_local_media_path {root!r}")
+def read_local_file(path: str, who: str, policy: MediaPolicy, kind: str) -> bytes:
+    """A local file's bytes within the byte cap of ``kind`` (no folder check: ``_read_file``'s)."""
+    max_bytes, _, var = _limits(policy, kind)
     try:
         size = os.path.getsize(path)
-        if size > policy.max_bytes:
-            raise ValueError(f"image {i}: {path!r} holds more than {policy.max_bytes} bytes "
-                             "(FLASHPAGE_MEDIA_MAX_BYTES)")
+        if size > max_bytes:
+            raise ValueError(f"{who}: {path!r} holds more than {max_bytes} bytes ({var})")
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise ValueError(f"image {i}: {path!r} could not be read: {e.strerror or e}") from None
+        raise ValueError(f"{who}: {path!r} could not be read: {e.strerror or e}") from None
+
+
+def _read_file(url: str, who: str, policy: MediaPolicy, kind: str) -> bytes:
+    root = policy.allowed_local_media_path
+    if root is None:
+        raise ValueError(f"{who}: file:// URLs are read only under allowed_local_media_path "
+                         "(--allowed-local-media-path), which is not set")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{who}: a file:// URL names a file on this machine, got host {parts.netloc!r}")
+    path = os.path.realpath(urllib.parse.unquote(parts.path))
+    if os.path.commonpath([root, path]) != root:
+        raise ValueError(f"{who}: {path!r} is not under allowed_local_media_path {root!r}")
+    return read_local_file(path, who, policy, kind)
+
+
+def url_scheme(url: str) -> str:
+    """A URL's scheme, lower case ("" where it has none)."""
+    return url.split(":", 1)[0].lower() if ":" in url[:12] else ""
+
+
+def read_url(url: str, i: int, policy: MediaPolicy | None = None, kind: str = "image") -> bytes:
+    """Item ``i`` of ``kind`` ("image" or "video") of a request: its URL's bytes (module
+    docstring), within the policy's rules and ``kind``'s byte cap and timeout; a ValueError
+    naming what is wrong."""
+    policy = policy or MediaPolicy()
+    who = f"{kind} {i}"
+    scheme = url_scheme(url)
+    if scheme == "data":
+        raw = data_url_bytes(url, i, kind)
+        max_bytes, _, var = _limits(policy, kind)
+        if len(raw) > max_bytes:
+            raise ValueError(f"{who}: its data URL holds more than {max_bytes} bytes ({var})")
+        return raw
+    if scheme in ("http", "https"):
+        return _fetch(url, who, policy, kind)
+    if scheme == "file":
+        return _read_file(url, who, policy, kind)
+    example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+    raise ValueError(f"{who}: its url must be a data URL ({example}), an http(s) URL or a file:// "
+                     f"URL, got {url[:40]!r}")
 
 
 def load_image(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
     """Image ``i`` of a request from its URL (module docstring) as a decoded PIL image; a
     ValueError naming what is wrong."""
-    policy = policy or MediaPolicy()
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:12] else ""
-    if scheme == "data":
-        raw = data_url_bytes(url, i)
-    elif scheme in ("http", "https"):
-        raw = _fetch(url, i, policy)
-    elif scheme == "file":
-        raw = _read_file(url, i, policy)
-    else:
-        raise ValueError(f"image {i}: its url must be a data URL (data:image/png;base64,...), an "
-                         f"http(s) URL or a file:// URL, got {url[:40]!r}")
-    return decode_image_bytes(raw, i)
+    return decode_image_bytes(read_url(url, i, policy, "image"), i)

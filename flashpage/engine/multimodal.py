@@ -144,16 +144,28 @@ def _is_frame_stack(x: Any) -> bool:
 
 def video_items(given: Any) -> list[Any]:
     """vLLM's forms of multi_modal_data["video"] as a list of videos: one video (an array /
-    tensor of frames (T, H, W, 3), a (frames, metadata) pair, or a list of frames: PIL images
-    or (H, W, 3) arrays), or a list of videos (each an array, a pair or a list of frames).
+    tensor of frames (T, H, W, 3), a (frames, metadata) pair, a list of frames: PIL images
+    or (H, W, 3) arrays, or a video file: its path or URL, or its bytes, engine/video_io.py),
+    or a list of videos (each an array, a pair, a list of frames or a file).
     What each video holds is checked where it is read (models/qwen2_vl_video.py)."""
-    if _is_frame_stack(given):
+    if _is_frame_stack(given) or _is_file(given):
         return [given]
     if isinstance(given, (list, tuple)):
-        if given and all(_is_frame_stack(v) or isinstance(v, (list, tuple)) for v in given):
+        if given and all(not _is_frame(v) for v in given):
             return list(given)
         return [given]
     return [given]
+
+
+def _is_file(x: Any) -> bool:
+    return isinstance(x, (str, bytes, bytearray, memoryview))
+
+
+def _is_frame(x: Any) -> bool:
+    """One frame of a video given as a list of frames: a PIL image or an (H, W, 3) array;
+    anything else in a list is a video of its own (frames, a file, an encoder's admitted
+    video: the server's, server/images.py)."""
+    return type(x).__module__.startswith("PIL.") or (hasattr(x, "ndim") and x.ndim == 3)
 
 
 def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -334,18 +346,15 @@ def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template
     return out
 
 
-NO_VIDEO_DECODER = ("flashpage decodes no video file (it uses no video decoder such as PyAV or "
-                    "decord): give the video's frames, {\"type\": \"video\", \"video\": frames} with "
-                    "frames a uint8 (T, H, W, 3) array, a list of PIL images or a list of image URLs")
-
-
-def _video_frames(video: Any, i: int, j: int, first: int, policy: MediaPolicy | None) -> Any:
-    """A "video" part's video: a list of image URLs read as frames (engine/media.py, as
-    image_url parts are); frames given as objects kept as they are (models/qwen2_vl_video.py
-    checks them)."""
+def _video(video: Any, n: int, first: int, policy: MediaPolicy | None) -> Any:
+    """A "video" part's video (the ``n``-th of the conversation): a URL (a string) read and
+    decoded as a video file (engine/video_io.py, as video_url parts are), a list of image URLs
+    read as frames (engine/media.py, as image_url parts are); frames given as objects kept as
+    they are (models/qwen2_vl_video.py checks them)."""
     if isinstance(video, str):
-        raise ValueError(f"message {i}: content part {j}: a video given as one URL is a video "
-                         f"file; {NO_VIDEO_DECODER}")
+        from flashpage.engine.video_io import load_video
+
+        return load_video(video, n, policy)
     if isinstance(video, (list, tuple)) and video and all(isinstance(f, str) for f in video):
         return [decode_data_url(u, first + k, policy) for k, u in enumerate(video)]
     return video
@@ -356,9 +365,10 @@ def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None =
     """An LLM.chat conversation whose messages may hold image or video parts -- OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string; read as
     engine/media.py says under ``policy``), vLLM's ``{"type": "image_pil", "image_pil":
-    PIL.Image}``, and ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list
-    of PIL images, or a list of image URLs read as frames; a ``video_url`` part, a video
-    file, is refused: NO_VIDEO_DECODER) -- -> (the conversation with each content list's
+    PIL.Image}``, ``{"type": "video_url", "video_url": {"url": ...}}`` (a video file, read as
+    image URLs are and decoded by engine/video_io.py: its sampled frames and metadata), and
+    ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL images, a
+    list of image URLs read as frames, or one URL: a video file) -- -> (the conversation with each content list's
     text joined, each message's parts, the images in order, the videos in order); a
     ValueError names a part of another type."""
     conv: list[dict[str, Any]] = []
@@ -391,14 +401,21 @@ def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None =
                 video = part.get("video")
                 if video is None:
                     raise ValueError(f"message {i}: content part {j}: a video part needs \"video\": its frames")
-                videos.append(_video_frames(video, i, j, frames, policy))
+                videos.append(_video(video, len(videos), frames, policy))
                 frames += len(video) if isinstance(video, (list, tuple)) else 0
                 ps.append(("video", None))
             elif kind == "video_url":
-                raise ValueError(f"message {i}: content part {j}: video_url parts are not read: {NO_VIDEO_DECODER}")
+                from flashpage.engine.video_io import load_video
+
+                url = part.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"message {i}: content part {j}: video_url needs a url string")
+                videos.append(load_video(url, len(videos), policy))
+                ps.append(("video", None))
             else:
                 raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
-                                 "image_url, image_pil and video parts are read")
+                                 "image_url, image_pil, video_url and video parts are read")
         conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
         parts.append(ps)
     return conv, parts, images, videos

@@ -165,6 +165,13 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
 
     video_token_name = "<video>"
 
+    @property
+    def video_placeholder_ids(self) -> list[int]:
+        """What a chat's video part becomes in the prompt (LLM.chat, the server's video_url
+        parts): the <video> token, which ``prepare`` expands to the video's rows."""
+        assert self.config.video_token_id is not None
+        return [self.config.video_token_id]
+
     def rows_of(self, images: list[Any]) -> list[int]:
         """The rows of each of one prompt's images (``admit_image``'s, or any ``prepare``
         takes), as ``prepare`` counts them: the server's length check and usage."""

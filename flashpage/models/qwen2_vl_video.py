@@ -6,8 +6,9 @@ into what Qwen2-VL's preprocessing takes (models/qwen2_vl_image.resize_video):
     ..., "frames_indices": ..., "total_num_frames": ...})
     -> frames uint8 [T, 3, H, W] (a torch tensor), the frame rate of the frames given or None
 
-No file is decoded here: a video reaches the engine as its frames (flashpage uses no video
-decoder; LLM.chat reads a list of image URLs as frames, engine/multimodal.chat_images).
+No file is decoded here: a video file (a video_url chat part, or a path, URL or bytes in
+multi_modal_data) reaches this as the (frames, metadata) pair engine/video_io.py decodes it
+to; LLM.chat also reads a list of image URLs as frames (engine/multimodal.chat_images).
 
 The frame rate sets Qwen2.5-VL's temporal positions (engine/mrope.py): transformers'
 ``VideoMetadata.sampled_fps`` -- fps x len(frames_indices) / total_num_frames where the
@@ -83,7 +84,7 @@ def read_video(video: Any, i: int) -> tuple[torch.Tensor, float | None]:
         frames = torch.stack(fs) if fs else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
     else:
         raise ValueError(f"video {i} is a {type(video).__name__}: give its frames, a uint8 (T, H, W, 3) "
-                         "array or a list of PIL images (a video file is not decoded here)")
+                         "array, a list of PIL images, or a video file's path, URL or bytes")
     if frames.shape[0] == 0:
         raise ValueError(f"video {i} has no frames")
     if min(frames.shape[2:]) == 0:

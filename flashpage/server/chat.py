@@ -4,6 +4,7 @@ streamed or whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable
@@ -62,18 +63,21 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     # models/pixtral.py image_rows)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
     rows = (getattr(encoder, "image_rows", None) or encoder.num_rows) if encoder is not None else None
-    grows = sum(rows(im) - 1 for im in images["image"]) \
+    pics = images.get("image", []) if images is not None else []
+    grows = sum(rows(im) - 1 for im in pics) \
         if images is not None and rows is not None and not hasattr(encoder, "rows_of") else 0
     # counts that depend on the prompt's other images (LLaVA-OneVision's: one tile each of
     # several; models/llava_onevision.py rows_of), or a placeholder that becomes more than its
     # rows (InternVL's <img> and </img> around them: models/internvl.py rows_of)
     if images is not None and (rows_of := getattr(encoder, "rows_of", None)) is not None:
-        grows = sum(r - 1 for r in rows_of(images["image"]))
+        grows = sum(r - 1 for r in rows_of(pics))
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>, its
     # pan-and-scan text): its own count from the ids (models/gemma3_vision.py prompt_length)
     if images is not None and (length := getattr(encoder, "prompt_length", None)) is not None:
-        n_prompt = length(ids, images["image"])
+        n_prompt = length(ids, pics)
+    if images is not None and "video" in images:  # a video's rows (and Qwen3-VL's timestamps)
+        n_prompt = await _expanded_length(encoder, ids, images)
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -187,16 +191,36 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     return await unless_disconnected(request, answer())
 
 
+async def _expanded_length(encoder: Any, ids: list[int], data: dict[str, Any]) -> int:
+    """The prompt's length with its images' and videos' placeholders expanded: the encoder's
+    own expansion (``prepare``, on a worker thread: the items are preprocessed already), so
+    the usage and the length check count what the engine runs; a 400 naming a bad count."""
+    def length() -> int:
+        try:
+            return len(encoder.prepare(list(ids), data)[0])
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+
+    return await asyncio.get_running_loop().run_in_executor(None, length)
+
+
 async def _images(state: ServerState, req: ChatCompletionRequest,
                   conv: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The request's images as the engine's multi_modal_data (their placeholders put into
-    ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
-    that cannot be read (engine/media.py), bytes that are no image (server/images.py), or
-    mm_processor_kwargs the processor does not read or above the server's bounds."""
+    """The request's images and videos as the engine's multi_modal_data (their placeholders
+    put into ``conv`` in place), or None without any; a 400 for a model that takes no images
+    (videos), a URL that cannot be read (engine/media.py), bytes that are no image / video
+    (server/images.py, engine/video_io.py), or mm_processor_kwargs the processor does not
+    read or above the server's bounds."""
     from flashpage.engine.multimodal import as_text_parts, placeholder_ids, template_reads_parts
-    from flashpage.server.images import image_urls, read_images, with_placeholders
+    from flashpage.server.images import (
+        image_urls,
+        read_images,
+        read_videos,
+        video_urls,
+        with_placeholders,
+    )
 
-    urls = image_urls(req.messages)
+    urls, vurls = image_urls(req.messages), video_urls(req.messages)
     engine = state.engine.engine
     encoder = getattr(engine, "mm_encoder", None)
     vision = None  # vLLM's per-request processor settings: the images resized under them
@@ -205,23 +229,34 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
 
         try:
             vision = request_mm_processing(engine.model_config, req.mm_processor_kwargs,
-                                           ["image"] if urls else [])
+                                           (["image"] if urls else []) + (["video"] if vurls else []))
         except ValueError as e:
             raise bad_request(str(e), "mm_processor_kwargs") from None
-    if not urls:
+    if not urls and not vurls:
         tok = engine.tokenizer
         if encoder is not None and tok is not None and template_reads_parts(tok.chat_template):
             conv[:] = as_text_parts(conv)  # an image model's template reads parts (llava-hf's)
         return None
+    mc = getattr(engine, "model_config", None)
+    name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
     if encoder is None:
-        mc = getattr(engine, "model_config", None)
-        name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
-        raise bad_request(f"image_url content parts given, but this model ({name}) takes no "
-                          "image input (models/llava.py lists the families that do)", "messages")
-    pixels = await read_images(encoder, urls, engine.config.media_policy, vision)
+        what = "image_url" if urls else "video_url"
+        raise bad_request(f"{what} content parts given, but this model ({name}) takes no "
+                          f"{what[:5]} input (models/llava.py lists the families that do)", "messages")
+    video_ids = getattr(encoder, "video_placeholder_ids", None)
+    if vurls and video_ids is None:
+        raise bad_request(f"video_url content parts given, but this model ({name}) takes no video "
+                          "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)", "messages")
+    policy = engine.config.media_policy
+    pixels = await read_images(encoder, urls, policy, vision) if urls else []
+    videos = await read_videos(encoder, vurls, policy, vision) if vurls else []
     tok = engine.tokenizer
     placeholder = tok.decode(placeholder_ids(encoder)) if tok is not None else "<image>"
+    video_placeholder = tok.decode(video_ids) if tok is not None and video_ids is not None else None
     template = getattr(tok, "chat_template", None)
     conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None,
-                                placeholder)
-    return {"image": pixels}
+                                placeholder, video_placeholder)
+    data: dict[str, Any] = {"image": pixels} if pixels else {}
+    if videos:
+        data["video"] = videos
+    return data

@@ -1,5 +1,7 @@
 """Chat messages' image parts (OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``)
-for a model that takes images (LLaVA: models/llava.py).
+for a model that takes images (LLaVA: models/llava.py), and video parts (vLLM's
+``{"type": "video_url", "video_url": {"url": ...}}``) for one that takes videos (Qwen2-VL /
+Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision).
 
 The url is a base64 data URL, an http(s) URL (fetched, from the hosts
 ``--allowed-media-domains`` names if given) or a ``file://`` URL under
@@ -10,6 +12,11 @@ the conversation the chat template sees, each image part becomes the template's 
 placeholder: a part ``{"type": "image"}`` where the template loops over a message's content
 parts (llava-hf's templates), else the placeholder text (the image token's, ``<image>``) on
 its own line before the message's text (vLLM's "string" content format).
+
+A video's url is read under the same rules (its own byte cap and timeout,
+``FLASHPAGE_VIDEO_MAX_BYTES`` / ``FLASHPAGE_VIDEO_FETCH_TIMEOUT``), decoded and sampled by
+engine/video_io.py (PyAV; ``--media-io-kwargs``) and, where the encoder has ``admit_video``
+(Qwen's), resized, on the same worker thread; its placeholder is the template's video one.
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ from typing import Any
 
 from flashpage.engine import multimodal
 from flashpage.engine.media import MediaPolicy
-from flashpage.server.protocol import APIError, ChatMessage, ImagePart, TextPart, bad_request
+from flashpage.server.protocol import (
+    APIError,
+    ChatMessage,
+    ImagePart,
+    TextPart,
+    VideoPart,
+    bad_request,
+)
 
 FIELD = "messages"
 
@@ -28,6 +42,39 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     """The url of every image part, in the conversation's order."""
     return [p.image_url.url for m in messages if isinstance(m.content, list)
             for p in m.content if isinstance(p, ImagePart)]
+
+
+def video_urls(messages: list[ChatMessage]) -> list[str]:
+    """The url of every video part, in the conversation's order."""
+    return [p.video_url.url for m in messages if isinstance(m.content, list)
+            for p in m.content if isinstance(p, VideoPart)]
+
+
+def read_video_urls(encoder: Any, urls: list[str], policy: MediaPolicy | None = None,
+                    vision: Any = None) -> list[Any]:
+    """Each url's video read, decoded and sampled (engine/video_io.py: frames and metadata)
+    and, where the encoder has ``admit_video``, preprocessed as a request keeps it; a 400
+    naming what is wrong."""
+    from flashpage.engine.video_io import load_video
+
+    out = []
+    admit = getattr(encoder, "admit_video", None)
+    for i, url in enumerate(urls):
+        try:
+            video: Any = load_video(url, i, policy)
+            if admit is not None:
+                video = admit(video, i) if vision is None else admit(video, i, vision)
+        except ValueError as e:
+            raise bad_request(str(e), FIELD) from None
+        out.append(video)
+    return out
+
+
+async def read_videos(encoder: Any, urls: list[str], policy: MediaPolicy | None = None,
+                      vision: Any = None) -> list[Any]:
+    """``read_video_urls`` on a worker thread (a fetch and a decode take up to seconds)."""
+    return await asyncio.get_running_loop().run_in_executor(None, read_video_urls, encoder, urls, policy,
+                                                            vision)
 
 
 def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
@@ -64,13 +111,16 @@ async def read_images(encoder: Any, urls: list[str], policy: MediaPolicy | None 
 
 
 def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],
-                      template: str | None, placeholder: str) -> list[dict[str, Any]]:
-    """``conv`` (server/tool_choice.conversation's) with each message's image parts put back
-    where the chat template reads them (engine/multimodal.place_images)."""
+                      template: str | None, placeholder: str,
+                      video_placeholder: str | None = None) -> list[dict[str, Any]]:
+    """``conv`` (server/tool_choice.conversation's) with each message's image and video parts
+    put back where the chat template reads them (engine/multimodal.place_images)."""
     parts: list[multimodal.Parts | None] = [
-        [("text", p.text) if isinstance(p, TextPart) else ("image", None) for p in m.content]
+        [("text", p.text) if isinstance(p, TextPart) else ("video" if isinstance(p, VideoPart) else "image", None)
+         for p in m.content]
         if isinstance(m.content, list) else None for m in messages]
-    return multimodal.place_images(conv, parts, template, placeholder)
+    return multimodal.place_images(conv, parts, template, placeholder, video_placeholder)
 
 
-__all__ = ["APIError", "decode_data_url", "image_urls", "read_images", "with_placeholders"]
+__all__ = ["APIError", "decode_data_url", "image_urls", "read_images", "read_videos", "video_urls",
+           "with_placeholders"]

@@ -168,6 +168,17 @@ class ImagePart(_Body):
     image_url: ImageURL
 
 
+class VideoURL(_Body):
+    url: Str
+
+
+class VideoPart(_Body):
+    """A video file (server/images.py, engine/video_io.py), for a model that takes videos."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class FunctionCall(_Body):
     name: Str
     arguments: Str  # a JSON object, as text (OpenAI's)
@@ -183,7 +194,7 @@ class ToolCallBody(_Body):
 
 class ChatMessage(_Body):
     role: Str
-    content: Str | list[TextPart | ImagePart] | None = None
+    content: Str | list[TextPart | ImagePart | VideoPart] | None = None
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
@@ -194,23 +205,22 @@ class ChatMessage(_Body):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        """A content part other than text and image_url (input_audio, file, ...) refused by
-        its own type: no model served reads one. (image_url parts: server/images.py; a
-        model that takes no images refuses them there.)"""
+        """A content part other than text, image_url and video_url (input_audio, file, ...)
+        refused by its own type: no model served reads one. (image_url and video_url parts:
+        server/images.py; a model that takes no images / videos refuses them there.)"""
         content = data.get("content") if isinstance(data, dict) else None
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("video_url", "video"):
+            if kind == "video":
                 raise PydanticCustomError(
-                    "content_part", "content.{i} has type '{kind}': the server reads no video (a "
-                    "video file needs a video decoder such as PyAV, which flashpage does not use); "
-                    "Qwen2-VL / Qwen3-VL / LLaVA-OneVision / InternVL take a video's frames offline: LLM.generate's "
-                    "multi_modal_data[\"video\"] or LLM.chat's \"video\" parts",
-                    {"i": i, "kind": kind})
-            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                    "content_part", "content.{i} has type 'video': the server reads a video as a "
+                    "file, {\"type\": \"video_url\", \"video_url\": {\"url\": ...}} (its frames are "
+                    "taken offline: LLM.chat's \"video\" parts, multi_modal_data[\"video\"])",
+                    {"i": i})
+            if isinstance(kind, str) and kind not in ("text", "image_url", "video_url"):
                 raise PydanticCustomError(
-                    "content_part", "content.{i} has type '{kind}': only text and image_url parts "
-                    "are supported (this server takes no audio or file input)",
+                    "content_part", "content.{i} has type '{kind}': only text, image_url and "
+                    "video_url parts are supported (this server takes no audio or file input)",
                     {"i": i, "kind": kind})
         return data
 
@@ -338,8 +348,9 @@ class DetokenizeRequest(_Body):
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": 'a string or a list of {"type": "text", "text": ...} and {"type": "image_url", '
-               '"image_url": {"url": "data:image/...;base64,..."}} parts',
+    "content": 'a string or a list of {"type": "text", "text": ...}, {"type": "image_url", '
+               '"image_url": {"url": "data:image/...;base64,..."}} and {"type": "video_url", '
+               '"video_url": {"url": ...}} parts',
 }
 
 

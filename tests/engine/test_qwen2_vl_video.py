@@ -256,7 +256,8 @@ def test_llm_chat_video_parts(qwen):
     """LLM.chat: a {"type": "video"} part of PIL frames, and one of image data URLs read as
     frames, each printed as <|vision_start|><|video_pad|><|vision_end|> by Qwen's template
     where the part is; the tokens equal generate's on the template's ids; a video_url part
-    (a video file) is refused naming the missing decoder."""
+    outside the allowed folder, or a data URL that is no video, is refused naming the video
+    (video files: tests/engine/test_video_files_engine.py)."""
     from tests.engine.test_qwen2_vl_engine import _data_url
 
     path, hf = qwen("qwen2_vl")
@@ -284,8 +285,9 @@ def test_llm_chat_video_parts(qwen):
                             GREEDY, use_tqdm=False)[0]
         assert want.prompt_token_ids == got
         assert out.outputs[0].token_ids == want.outputs[0].token_ids == _want(hf, llm, out, [img], [frames])
-    for part, needle in (({"type": "video_url", "video_url": {"url": "https://x/clip.mp4"}}, "no video decoder"),
-                         ({"type": "video", "video": "data:video/mp4;base64,AAAA"}, "no video decoder")):
+    for part, needle in (({"type": "video_url", "video_url": {"url": "file:///tmp/clip.mp4"}},
+                          "video 0: file:// URLs are read only under allowed_local_media_path"),
+                         ({"type": "video", "video": "data:video/mp4;base64,AAAA"}, "video 0 could not be decoded")):
         with pytest.raises(ValueError, match=needle):
             llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
     assert llm.engine.kv_manager.stats().blocks_used == 0
@@ -311,7 +313,7 @@ def test_bad_video_requests_are_refused_by_name_and_leak_nothing(qwen):
          ["video 0", "[2, 3, 56, 56]"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": [smooth_image(56, 56), smooth_image(56, 84)]}},
          ["video 0", "differ in size"]),
-        ({"prompt_token_ids": ids, "multi_modal_data": {"video": "clip.mp4"}}, ["video 0 is a str", "not decoded"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"video": "clip.mp4"}}, ["video 0", "clip.mp4", "could not be read"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": v[:0]}}, ["video 0 has no frames"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": (v, {"fps": -1})}}, ["fps", "positive"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": _frames(16, 112, 112, 92)}}, ["max_model_len is 96"]),

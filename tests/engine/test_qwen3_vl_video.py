@@ -222,7 +222,7 @@ def test_llm_chat_video_parts(qwen3):
     """LLM.chat: a {"type": "video"} part of PIL frames beside an image part: Qwen's template
     prints <|vision_start|><|video_pad|><|vision_end|>, the processor's timestamped frame
     groups inside it; transformers' tokens; that expanded prompt given back is kept. A
-    video_url part is refused by name."""
+    video_url part outside the allowed folder is refused by name."""
     path, hf = qwen3
     llm = _llm(path)
     enc = llm.engine.mm_encoder
@@ -241,8 +241,8 @@ def test_llm_chat_video_parts(qwen3):
     again = llm.generate([{"prompt_token_ids": got, "multi_modal_data": {"video": [frames], "image": [img]}}],
                          GREEDY, use_tqdm=False)[0]
     assert again.prompt_token_ids == got and _tokens([again]) == _tokens([out])
-    with pytest.raises(ValueError, match="video_url parts are not read"):
-        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "https://x/a.mp4"}}]}],
+    with pytest.raises(ValueError, match="video 0: file:// URLs are read only under allowed_local_media_path"):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file:///tmp/a.mp4"}}]}],
                  GREEDY, use_tqdm=False)
     assert llm.engine.kv_manager.stats().blocks_used == 0
 

@@ -109,8 +109,11 @@ def test_invalid_parameters(server, field, value, needle):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      "image_url content parts given, but this model (LlamaForCausalLM) takes no image input"),
     ({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]},
+     "video_url content parts given, but this model (LlamaForCausalLM) takes no video input"),
+    ({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
-     "content.0 has type 'input_audio': only text and image_url parts are supported"),
+     "content.0 has type 'input_audio': only text, image_url and video_url parts are supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "max_completion_tokens"),
