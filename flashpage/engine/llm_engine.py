@@ -872,6 +872,13 @@ class LLMEngine:
             # video's "FrameN: <img>...</img>" text, as its processor writes it; the remote-code
             # layout's "<image>", as vLLM takes it)
             expand = getattr(self.mm_encoder, "expand_text", None)
+            if (expand is not None and isinstance(multi_modal_data, dict) and "video" in multi_modal_data
+                    and _takes_video(self.mm_encoder)):
+                from flashpage.engine.video_io import decode_sources
+
+                # its frames' count writes the text: a video file decoded and sampled first
+                multi_modal_data = {**multi_modal_data, "video": decode_sources(
+                    multi_modal_data["video"], self.config.media_policy)}
             tokenize: Callable[[str], list[int]] = self.tokenize if expand is None or multi_modal_data is None \
                 else (lambda s: self.tokenize(expand(s, multi_modal_data)))
             text, ids = prompt_text_and_ids(prompt, tokenize)

@@ -52,8 +52,15 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
     conv = conversation(req.messages)
     images = await _images(state, req, conv)  # image parts: server/images.py
-    ids = await state.tokenizer.apply_chat_template(conv, tools.template_tools,
-                                                    **template_kwargs(req))
+    encoder = getattr(state.engine.engine, "mm_encoder", None)
+    expand = getattr(encoder, "expand_videos", None)
+    if images is not None and "video" in images and expand is not None:
+        # InternVL: each <video> written out as its frames' text, then tokenized with the rest
+        ids = await state.tokenizer.apply_chat_template_expanded(
+            conv, lambda text: expand(text, images), tools.template_tools, **template_kwargs(req))
+    else:
+        ids = await state.tokenizer.apply_chat_template(conv, tools.template_tools,
+                                                        **template_kwargs(req))
     if req.truncate_prompt_tokens is not None:
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -61,7 +68,6 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     # each image's placeholder becomes its rows (models/llava.py expand_image_tokens,
     # models/qwen2_vl.py expand_pads; a Pixtral tower's count by the image's size:
     # models/pixtral.py image_rows)
-    encoder = getattr(state.engine.engine, "mm_encoder", None)
     rows = (getattr(encoder, "image_rows", None) or encoder.num_rows) if encoder is not None else None
     pics = images.get("image", []) if images is not None else []
     grows = sum(rows(im) - 1 for im in pics) \
@@ -244,15 +250,17 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
         raise bad_request(f"{what} content parts given, but this model ({name}) takes no "
                           f"{what[:5]} input (models/llava.py lists the families that do)", "messages")
     video_ids = getattr(encoder, "video_placeholder_ids", None)
-    if vurls and video_ids is None:
+    video_text = getattr(encoder, "video_placeholder_text", None)  # InternVL's <video>
+    if vurls and video_ids is None and video_text is None:
         raise bad_request(f"video_url content parts given, but this model ({name}) takes no video "
-                          "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)", "messages")
+                          "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL do)",
+                          "messages")
     policy = engine.config.media_policy
     pixels = await read_images(encoder, urls, policy, vision) if urls else []
     videos = await read_videos(encoder, vurls, policy, vision) if vurls else []
     tok = engine.tokenizer
     placeholder = tok.decode(placeholder_ids(encoder)) if tok is not None else "<image>"
-    video_placeholder = tok.decode(video_ids) if tok is not None and video_ids is not None else None
+    video_placeholder = tok.decode(video_ids) if tok is not None and video_ids is not None else video_text
     template = getattr(tok, "chat_template", None)
     conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None,
                                 placeholder, video_placeholder)

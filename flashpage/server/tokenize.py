@@ -72,6 +72,26 @@ class ServerTokenizer:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
         return await self._run(self._chat, conversation, tools, template_kw)
 
+    async def apply_chat_template_expanded(self, conversation: list[dict[str, Any]],
+                                           expand: Any, tools: list[dict[str, Any]] | None = None,
+                                           **template_kw: Any) -> list[int]:
+        """The conversation through the chat template as text, ``expand``ed, then tokenized
+        without added special tokens (InternVL's videos: each ``<video>`` written out as its
+        frames' text before tokenizing, as LLM.chat and its processor do)."""
+        if self._tok is None or not getattr(self._tok, "chat_template", None):
+            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+
+        def run() -> list[int]:
+            assert self._tok is not None
+            kw = {"add_generation_prompt": True, **template_kw}
+            try:
+                text = self._tok.apply_chat_template(conversation, tools=tools, tokenize=False, **kw)
+            except Exception as e:  # the template refused the conversation (roles, order, ...)
+                raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+            return list(self._tok.encode(expand(text), add_special_tokens=False))
+
+        return await self._run(run)
+
     def _chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
               template_kw: dict[str, Any]) -> list[int]:
         """``template_kw``: add_generation_prompt (default True), continue_final_message and

@@ -197,6 +197,29 @@ def test_llava_onevision_video_url_equals_its_frames(tmp_path, media):
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
+def test_internvl_video_url_and_path_equal_its_frames(tmp_path, media):
+    """InternVL: a video_url part (its template's <video>, written out as each frame's
+    "FrameN: <img>...</img>" text) and a path in multi_modal_data give the tokens of the same
+    sampled frames given directly."""
+    from tests.internvl_checkpoint import build_tiny_internvl
+
+    root, frames = media
+    llm = _llm(build_tiny_internvl(tmp_path / "ivl"), allowed_local_media_path=str(root), media_io_kwargs=IO)
+    url = f"file://{root}/clip.mkv"
+    out = llm.chat(_chat("watch", {"type": "video_url", "video_url": {"url": url}}), GREEDY, use_tqdm=False)[0]
+    want = llm.chat(_chat("watch", {"type": "video", "video": frames[IDX]}), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == want.prompt_token_ids and _tokens([out]) == _tokens([want])
+    ctx = llm.engine.mm_encoder.config.image_token_id
+    n = out.prompt_token_ids.count(ctx)  # the 4 sampled frames' rows, one tile each
+    assert n > 0 and n % len(IDX) == 0
+    text = "<video>\nwatch"
+    by_path, direct = llm.generate([{"prompt": text, "multi_modal_data": {"video": str(root / "clip.mkv")}},
+                                    {"prompt": text, "multi_modal_data": {"video": frames[IDX]}}],
+                                   GREEDY, use_tqdm=False)
+    assert by_path.prompt_token_ids == direct.prompt_token_ids and _tokens([by_path]) == _tokens([direct])
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_video_files_on_the_gpu_bf16(tmp_path, media):

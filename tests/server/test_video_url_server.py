@@ -87,3 +87,33 @@ def test_video_urls_answer_as_llm_chat_and_bad_ones_are_named(tmp_path, monkeypa
         r = _post(server, good)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want[0].outputs[0].text
         assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_internvl_video_url_answers_as_llm_chat(tmp_path):
+    """InternVL: the template's <video> for a video_url part is written out as each sampled
+    frame's "FrameN: <img>...</img>" text before tokenizing (as LLM.chat does), so the server's
+    answer and prompt token count are LLM.chat's; a video beside an image too."""
+    from tests.internvl_checkpoint import build_tiny_internvl
+
+    path = build_tiny_internvl(tmp_path / "ivl")
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "clip.mkv").write_bytes(encode(pattern_frames(12, 56, 84, seed=7), rate=6))
+    kw = {"allowed_local_media_path": str(root), "media_io_kwargs": IO, "max_model_len": 1024}
+    img = smooth_image(40, 30, seed=2)
+    convs = [[{"type": "text", "text": "watch"}, _video(f"file://{root}/clip.mkv")],
+             [{"type": "image_url", "image_url": {"url": data_url(img)}}, _video(f"file://{root}/clip.mkv"),
+              {"type": "text", "text": "and"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    offline = LLM(str(path), **{**engine_kwargs(), **kw})
+    want = [offline.chat([{"role": "user", "content": c}], params, use_tqdm=False)[0] for c in convs]
+    assert all(w.error is None for w in want)
+    ctx = offline.engine.mm_encoder.config.image_token_id
+    assert want[0].prompt_token_ids.count(ctx) > 0
+    with live_server(path, engine_kw=kw) as server:
+        for c, w in zip(convs, want, strict=True):
+            r = _post(server, c)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == w.outputs[0].text
+            assert r.json()["usage"]["prompt_tokens"] == len(w.prompt_token_ids)
+        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
