@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashpage import SamplingParams
+from tests.conftest import count_encodes as _spy
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -57,13 +58,6 @@ def _frames(n: int, h: int, w: int, seed: int) -> np.ndarray:
 def _prompt(ids, data=None, kw=None) -> dict:
     return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {}),
             **({"mm_processor_kwargs": kw} if kw is not None else {})}
-
-
-def _spy(monkeypatch, enc) -> list[int]:
-    encoded: list[int] = []
-    encode = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda data: encoded.append(len(data)) or encode(data))
-    return encoded
 
 
 def test_qwen2_vl_image_bounds_per_request_equal_engine_wide(paths, monkeypatch):
