@@ -41,6 +41,48 @@ def pil_to_uint8(img: Any, convert_rgb: bool = True) -> torch.Tensor:
     return data.view(h, w, 3).permute(2, 0, 1).contiguous()
 
 
+def tile_given_image(image: Any, i: int, tile: Any) -> Any:
+    """``tile(image)`` for a PIL image or uint8 pixels [3, H, W] (the tiling processors'
+    input: InternVL's, Idefics3's); anything else, or a file PIL cannot read, refused by
+    name as image ``i``."""
+    if is_pil_image(image) or isinstance(image, torch.Tensor):
+        if isinstance(image, torch.Tensor) and (image.dtype != torch.uint8 or image.dim() != 3
+                                                or image.shape[0] != 3 or 0 in image.shape):
+            raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] (its tiles "
+                             f"follow its size), got {list(image.shape)} "
+                             f"{str(image.dtype).replace('torch.', '')}")
+        try:
+            return tile(image.detach().cpu() if isinstance(image, torch.Tensor) else image)
+        except (OSError, ValueError) as e:  # a truncated or unreadable file: PIL's words
+            raise ValueError(f"image {i} could not be read: {e}") from e
+    raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or uint8 "
+                     "pixels [3, H, W]")
+
+
+def checked_tiles(item: Any, i: int, tiles_of: Any, side: int, arch: str) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A tiled image given already (``item.pixels`` [n, 3, side, side], ``item.size`` (height,
+    width)): its size a pair of positive ints, its tiles ``tiles_of((h, w))`` of uint8 pixels
+    or finite float pixel values -> (the pixels on the host, (h, w)); refused by name as
+    image ``i`` otherwise."""
+    size = tuple(item.size)
+    if len(size) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in size):
+        raise ValueError(f"image {i}: {type(item).__name__}.size must be (height, width), got {item.size!r}")
+    hw = (int(size[0]), int(size[1]))
+    want = (tiles_of(hw), 3, side, side)
+    px = item.pixels
+    if not isinstance(px, torch.Tensor) or tuple(px.shape) != want \
+            or not (px.dtype == torch.uint8 or px.is_floating_point()):
+        shape = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
+        raise ValueError(f"image {i}: an image of {hw[0]} x {hw[1]} has tiles {list(want)} (uint8 "
+                         f"pixels or float pixel values) in {arch}, got {shape}")
+    if px.is_floating_point():
+        px = px.detach().to("cpu", torch.float32).contiguous()
+        if not bool(torch.isfinite(px).all()):
+            raise ValueError(f"image {i}: pixel values hold inf or NaN")
+        return px, hw
+    return px.detach().cpu().contiguous(), hw
+
+
 def _resize_shortest(h: int, w: int, edge: int) -> tuple[int, int]:
     """transformers' get_resize_output_image_size (default_to_square False): the shorter
     side becomes ``edge``, the longer int(edge * long / short)."""

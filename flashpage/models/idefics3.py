@@ -55,7 +55,12 @@ from torch import nn
 
 from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
-from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8
+from flashpage.models.clip_image import (
+    checked_tiles,
+    normalize,
+    pil_to_uint8,
+    tile_given_image,
+)
 from flashpage.models.idefics3_config import MAX_IMAGE_SIDE, Idefics3VisionConfig
 from flashpage.models.internvl import pixel_shuffle
 from flashpage.models.llava import images_of
@@ -344,39 +349,11 @@ class Idefics3ImageEncoder(nn.Module):
         an Idefics3Image given is checked (its tiles as its size makes them, finite)."""
         if isinstance(image, Idefics3Image):
             return self._checked(image, i)
-        if is_pil_image(image) or isinstance(image, torch.Tensor):
-            if isinstance(image, torch.Tensor) and (image.dtype != torch.uint8 or image.dim() != 3
-                                                    or image.shape[0] != 3 or 0 in image.shape):
-                raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] (its tiles "
-                                 f"follow its size), got {list(image.shape)} "
-                                 f"{str(image.dtype).replace('torch.', '')}")
-            try:
-                return tile_image(image.detach().cpu() if isinstance(image, torch.Tensor) else image, self.config)
-            except (OSError, ValueError) as e:  # a truncated or unreadable file: PIL's words
-                raise ValueError(f"image {i} could not be read: {e}") from e
-        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or uint8 "
-                         "pixels [3, H, W]")
+        return tile_given_image(image, i, lambda im: tile_image(im, self.config))
 
     def _checked(self, item: Idefics3Image, i: int) -> Idefics3Image:
         vc = self.config
-        size = tuple(item.size)
-        if len(size) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in size):
-            raise ValueError(f"image {i}: Idefics3Image.size must be (height, width), got {item.size!r}")
-        hw = (int(size[0]), int(size[1]))
-        m = vc.tile
-        want = (num_tiles(vc, hw), 3, m, m)
-        px = item.pixels
-        if not isinstance(px, torch.Tensor) or tuple(px.shape) != want \
-                or not (px.dtype == torch.uint8 or px.is_floating_point()):
-            shape = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
-            raise ValueError(f"image {i}: an image of {hw[0]} x {hw[1]} has tiles {list(want)} (uint8 "
-                             f"pixels or float pixel values) in {vc.architecture}, got {shape}")
-        if px.is_floating_point():
-            px = px.detach().to("cpu", torch.float32).contiguous()
-            if not bool(torch.isfinite(px).all()):
-                raise ValueError(f"image {i}: pixel values hold inf or NaN")
-        else:
-            px = px.detach().cpu().contiguous()
+        px, hw = checked_tiles(item, i, lambda hw: num_tiles(vc, hw), vc.tile, vc.architecture)
         return Idefics3Image(px, hw, image_grid(vc, hw))
 
     @torch.inference_mode()

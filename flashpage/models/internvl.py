@@ -69,7 +69,12 @@ from torch import nn
 from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.layers.norm import RMSNorm
-from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8
+from flashpage.models.clip_image import (
+    checked_tiles,
+    normalize,
+    pil_to_uint8,
+    tile_given_image,
+)
 from flashpage.models.clip_vision import CLIPMLP, activation
 from flashpage.models.internvl_config import InternVLVisionConfig
 from flashpage.models.llava import images_of
@@ -566,40 +571,12 @@ class InternVLImageEncoder(nn.Module):
         vc = self.config
         if isinstance(image, InternVLImage):
             return self._checked(image, i)
-        if is_pil_image(image) or isinstance(image, torch.Tensor):
-            if isinstance(image, torch.Tensor) and (image.dtype != torch.uint8 or image.dim() != 3
-                                                    or image.shape[0] != 3 or 0 in image.shape):
-                raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] (its tiles "
-                                 f"and row count follow its size), got {list(image.shape)} "
-                                 f"{str(image.dtype).replace('torch.', '')}")
-            try:
-                return tile_image(image.detach().cpu() if isinstance(image, torch.Tensor) else image, vc)
-            except (OSError, ValueError) as e:  # a truncated or unreadable file: PIL's words
-                raise ValueError(f"image {i} could not be read: {e}") from e
-        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or uint8 "
-                         "pixels [3, H, W]")
+        return tile_given_image(image, i, lambda im: tile_image(im, vc))
 
     def _checked(self, item: InternVLImage, i: int) -> InternVLImage:
         vc = self.config
-        size = tuple(item.size)
-        if len(size) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in size):
-            raise ValueError(f"image {i}: InternVLImage.size must be (height, width), got {item.size!r}")
-        hw = (int(size[0]), int(size[1]))
-        s = vc.image_size
-        want = (num_tiles(vc, hw), 3, s, s)
-        px = item.pixels
-        if not isinstance(px, torch.Tensor) or tuple(px.shape) != want \
-                or not (px.dtype == torch.uint8 or px.is_floating_point()):
-            shape = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
-            raise ValueError(f"image {i}: an image of {hw[0]} x {hw[1]} has tiles {list(want)} (uint8 "
-                             f"pixels or float pixel values) in {NAME}, got {shape}")
-        if px.is_floating_point():
-            px = px.detach().to("cpu", torch.float32).contiguous()
-            if not bool(torch.isfinite(px).all()):
-                raise ValueError(f"image {i}: pixel values hold inf or NaN")
-        else:
-            px = px.detach().cpu().contiguous()
-        return InternVLImage(px, hw, want[0] * vc.tokens_per_image)
+        px, hw = checked_tiles(item, i, lambda hw: num_tiles(vc, hw), vc.image_size, NAME)
+        return InternVLImage(px, hw, px.shape[0] * vc.tokens_per_image)
 
     @torch.inference_mode()
     def encode(self, data: list[InternVLImage]) -> list[torch.Tensor]:
