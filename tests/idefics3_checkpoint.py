@@ -35,9 +35,9 @@ _TEXT = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_si
              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, rope_theta=10000.0)
 
 
-def build_tokenizer(path: Path) -> None:
+def build_tokenizer(path: Path, video: bool = False) -> None:
     """A byte-level BPE (GPT-2's byte alphabet) whose merges include "\\n\\n", with the
-    processor's special tokens added."""
+    processor's special tokens added (``video``: SmolVLM2's <video> too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +52,7 @@ def build_tokenizer(path: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>")
-    fast.add_special_tokens({"additional_special_tokens": SPECIAL})
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL + ["<video>"] * video})
     fast.chat_template = SMOLVLM_CHAT_TEMPLATE
     fast.save_pretrained(path)
 
@@ -76,13 +76,15 @@ def hf_processor(path: Path, smolvlm: bool = False, **kw):
 
 
 def build_tiny_idefics3(path: Path, seed: int = 0, smolvlm: bool = False, splitting: bool = True,
-                        text: dict | None = None, vision: dict | None = None, **overrides) -> Path:
+                        text: dict | None = None, vision: dict | None = None, video: dict | None = None,
+                        **overrides) -> Path:
     """Save a tiny Idefics3 (``smolvlm``: SmolVLM) checkpoint under ``path``; ``text`` /
-    ``vision``: text_config / vision_config fields over ours; ``overrides``: the wrapper's."""
+    ``vision``: text_config / vision_config fields over ours; ``video`` (SmolVLM2): a <video>
+    token and these video_preprocessor_config.json fields; ``overrides``: the wrapper's."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path)
+    build_tokenizer(path, video is not None)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     image_token = int(tok.convert_tokens_to_ids("<image>"))
     cls, model_cls = ((transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration) if smolvlm
@@ -101,6 +103,10 @@ def build_tiny_idefics3(path: Path, seed: int = 0, smolvlm: bool = False, splitt
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     hf_image_processor(smolvlm, vc["image_size"], do_image_splitting=splitting).save_pretrained(path)
+    if video is not None:
+        (path / "video_preprocessor_config.json").write_text(json.dumps(
+            {"video_processor_type": "SmolVLMVideoProcessor", "max_image_size": {"longest_edge": vc["image_size"]},
+             **video}) + "\n")
     (path / "processor_config.json").write_text(
         json.dumps({"image_seq_len": rows, "processor_class": "SmolVLMProcessor" if smolvlm else "Idefics3Processor"})
         + "\n")

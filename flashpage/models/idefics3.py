@@ -318,12 +318,44 @@ class Idefics3ImageEncoder(nn.Module):
         return tokens * per + shuffled + out + tiles * 3 * vc.image_size ** 2 * 4
 
     # ------------------------------------------------------------ the engine's hooks
+    @property
+    def video_placeholder_text(self) -> str | None:
+        """What a chat template that prints text writes for a video part (LLM.chat); None:
+        no video input (Idefics3, SmolVLM without a <video> token)."""
+        return "<video>" if self.config.video_token_id is not None else None
+
+    video_token_name = "<video>"
+
+    def expand_text(self, text: str, data: Any) -> str:
+        """A text prompt with multi_modal_data, before it is tokenized (LLMEngine.add_request):
+        each ``<video>`` made its video's text as SmolVLMProcessor writes it
+        (models/smolvlm_video.py)."""
+        return self.expand_videos(text, data)
+
+    def expand_videos(self, text: str, data: Any) -> str:
+        """``text`` with each ``<video>`` made its video's frames' text (LLM.chat's rendered
+        template too)."""
+        if not isinstance(data, dict) or "video" not in data or self.config.video_token_id is None:
+            return text
+        from flashpage.models.smolvlm_video import expand_video_text, texts_of
+
+        return expand_video_text(text, self.config, texts_of(data))
+
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images of
         ``multi_modal_data`` ({"image": a PIL image, uint8 pixels [3, H, W], an
         Idefics3Image, or a list of them}) tiled, each ``<image>`` expanded
-        (expand_idefics3_images); each tile's rows one input. A ValueError names what is
-        wrong."""
+        (expand_idefics3_images); each tile's rows one input; SmolVLM2's videos ({"video":
+        frames, or a list of videos}) each frame one input (models/smolvlm_video.py). A
+        ValueError names what is wrong."""
+        vid = self.config.video_token_id
+        if vid is not None and isinstance(data, dict) and "video" in data:
+            from flashpage.models.smolvlm_video import prepare_videos
+
+            return prepare_videos(self, ids, data)
+        if vid is not None and vid in ids:
+            raise ValueError(f"the prompt has video tokens (<video>, id {vid}) but no video was given "
+                             "(multi_modal_data={\"video\": frames})")
         items = [self.pixel_values(img, i) for i, img in enumerate(images_of(data, batches=False))]
         ids, starts = expand_idefics3_images(ids, self.config, [it.grid for it in items])
         tiles = [t for it in items for t in it.pixels.unbind(0)]

@@ -70,6 +70,12 @@ class Idefics3VisionConfig:
     newline_ids: tuple[int, ...] | None = None
     double_newline_ids: tuple[int, ...] | None = None
     architecture: str = "Idefics3ForConditionalGeneration"
+    # SmolVLM2's videos (models/smolvlm_video.py): the tokenizer's <video> (None: no video
+    # input), each frame's longest edge resized to ``video_longest_edge`` then to the tile's
+    # square, under ``video_processing``'s steps (SmolVLMVideoProcessor's)
+    video_token_id: int | None = None
+    video_longest_edge: int = 4 * 364
+    video_processing: ImageProcessing | None = None
 
     @property
     def patches_per_side(self) -> int:
@@ -146,6 +152,43 @@ def _processing(folder: str | None, image_size: int, arch: str
     return proc, longest, tile, splitting, _RESAMPLE[code]
 
 
+def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImageProcessing, int]:
+    """SmolVLMVideoProcessor's steps (video_preprocessor_config.json, else its class
+    defaults): (rescale / normalize / resample, the longest edge frames are resized to before
+    the tile's square). Frames are taken as given: do_sample_frames is not read."""
+    path = os.path.join(folder, "video_preprocessor_config.json") if folder else None
+    half = (0.5, 0.5, 0.5)
+    if path is None or not os.path.isfile(path):
+        return ImageProcessing(None, None, None, 1 / 255, half, half, "lanczos"), 4 * 364
+    pc = {k: v for k, v in _json_object(path).items() if v is not None}
+    kind = str(pc.get("video_processor_type", "SmolVLMVideoProcessor")).removesuffix("Fast")
+    if kind != "SmolVLMVideoProcessor":
+        raise ConfigError(f"{path}: video_processor_type {kind!r} is not read in {arch} "
+                          "(SmolVLMVideoProcessor's frames are)")
+    if _edge(pc, "max_image_size", 364, path) != tile:
+        raise ConfigError(f"{path}: max_image_size {pc.get('max_image_size')!r}: frames other than the "
+                          f"vision tower's {tile} x {tile} are not supported")
+    if not pc.get("do_resize", True):
+        raise ConfigError(f"{path}: do_resize false is not supported (frames are resized to the tile)")
+    sampling = pc.get("video_sampling")
+    size = sampling.get("video_size") if isinstance(sampling, dict) and "video_size" in sampling else None
+    longest = _edge({"size": size if size is not None else pc.get("size", {"longest_edge": 4 * 364})},
+                    "size", 4 * 364, path)
+    code = pc.get("resample", 1)
+    if code not in _RESAMPLE:
+        raise ConfigError(f"{path}: resample {code!r} is not supported (1: lanczos, 2: bilinear, 3: bicubic)")
+    norm = pc.get("do_normalize", True)
+    mean = tuple(pc.get("image_mean", half)) if norm else None
+    std = tuple(pc.get("image_std", half)) if norm else None
+    for name, vals in (("image_mean", mean), ("image_std", std)):
+        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)
+                                 or (name == "image_std" and any(x == 0 for x in vals))):
+            raise ConfigError(f"{path}: {name} must be 3 numbers (std not zero), got {list(vals)!r}")
+    rescale = float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None
+    return ImageProcessing(None, None, None, rescale, mean, std, _RESAMPLE[code], False,
+                           bool(pc.get("do_convert_rgb", True))), longest
+
+
 def _seq_len(folder: str | None) -> tuple[int | None, str | None]:
     """processor_config.json's image_seq_len (and the file), None without one."""
     path = os.path.join(folder, "processor_config.json") if folder else None
@@ -205,7 +248,13 @@ def idefics3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
         v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"],
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"], float(v["layer_norm_eps"]),
         scale, token, longest, tile, splitting, resample, proc, architecture=arch)
-    return Idefics3VisionConfig(**{**cfg.__dict__, **_token_ids(folder, cfg.grid_side)})
+    video: dict[str, Any] = {}
+    if arch == "SmolVLMForConditionalGeneration":
+        vid = _vocab(folder)[0].get("<video>")
+        if vid is not None:
+            vproc, vlong = _video_processing(folder, tile, arch)
+            video = dict(video_token_id=vid, video_longest_edge=vlong, video_processing=vproc)
+    return Idefics3VisionConfig(**{**cfg.__dict__, **_token_ids(folder, cfg.grid_side), **video})
 
 
 def with_processor_kwargs(vc: Idefics3VisionConfig, kwargs: dict[str, Any]) -> Idefics3VisionConfig:

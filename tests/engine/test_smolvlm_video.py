@@ -1,0 +1,195 @@
+"""SmolVLM2 video input through the engine (models/smolvlm_video.py: a prompt's <video> made
+SmolVLMProcessor's text before tokenizing: the "You are provided the following series of N
+frames from a H:MM:SS [H:MM:SS] video." header, each frame "\\nFrame from MM:SS:" and one
+tile's image tokens, "\\n\\n" after). The prompt ids equal transformers' SmolVLMProcessor's
+(its video processor needs torchvision, which the CPU image lacks: a stand-in hands it our
+frames, normalized under the checkpoint's video processor's mean and std, which differ from
+the images', and its metadata as transformers batches it), and greedy tokens equal
+SmolVLMForConditionalGeneration.generate, for frames without metadata (fps 24), with vLLM's
+metadata (frames_indices / fps / duration), two videos, and an image beside a video; bad
+video requests are refused by name beside a good one, leaking nothing. fp32, CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flashpage import SamplingParams
+from flashpage.models.smolvlm_video import (
+    expand_video_text,
+    frame_times,
+    number_words,
+    video_frames,
+)
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
+from tests.idefics3_checkpoint import (
+    ROWS,
+    build_tiny_idefics3,
+    hf_greedy,
+    hf_idefics3,
+    hf_image_processor,
+)
+from tests.llava_checkpoint import smooth_image
+
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+VIDEO_MEAN, VIDEO_STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny SmolVLM2: a <video> token, frames' longest edge 32 then the 16 x 16 tile, the
+    video processor's mean and std other than the images' (0.5)."""
+    path = build_tiny_idefics3(tmp_path_factory.mktemp("smolvlm_video"), smolvlm=True,
+                               video={"size": {"longest_edge": 32}, "image_mean": VIDEO_MEAN,
+                                      "image_std": VIDEO_STD})
+    return path, hf_idefics3(path)
+
+
+def _video(n: int, h: int = 20, w: int = 24, seed: int = 0) -> np.ndarray:
+    return np.stack([np.asarray(smooth_image(h, w, seed=seed * 10 + i)) for i in range(n)])
+
+
+def _hf_processor(path):
+    """transformers' SmolVLMProcessor on the folder's tokenizer, built field by field (its
+    __init__ wants torchvision's video processor)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    p = transformers.SmolVLMProcessor.__new__(transformers.SmolVLMProcessor)
+    p.image_processor, p.tokenizer = hf_image_processor(True), tok
+    p.fake_image_token, p.image_token, p.global_image_token = "<fake_token_around_image>", "<image>", "<global-img>"
+    p.image_token_id = tok.convert_tokens_to_ids("<image>")
+    p.end_of_utterance_token, p.video_token, p.image_seq_len = "<end_of_utterance>", "<video>", ROWS
+    return p
+
+
+def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, images: list | None = None
+        ) -> tuple[list[int], list[int]]:
+    """(SmolVLMProcessor's ids for ``text``, transformers' greedy tokens on them): its video
+    processor a stand-in giving our frames and transformers' own batched metadata (its
+    defaults where none is given); an image's tiles from its image processor, in prompt order."""
+    from transformers import BatchFeature
+    from transformers.video_utils import make_batched_metadata
+
+    frames = [video_frames(v, vc) for v in videos]
+    assert all(f.dtype == torch.float32 for f in frames)  # normalized under the video processor's steps
+    proc = _hf_processor(path)
+
+    def stand_in(videos, **kw):
+        meta = make_batched_metadata(list(videos), video_metadata=kw.get("video_metadata"))
+        return BatchFeature({"pixel_values": torch.stack(frames), "video_metadata": meta})
+
+    proc.video_processor = stand_in
+    call = {"video_metadata": metadata} if metadata is not None else {}
+    out = proc(text=[text], images=[images] if images else None, videos=videos or None, return_tensors="pt", **call)
+    if images:  # the processor keeps one pixel_values: the images' taken from its image processor
+        tiles = proc.image_processor(images=[images], return_tensors="pt")["pixel_values"][0]
+        first_image = text.index("<image>") < text.index("<video>")
+        parts = [tiles, *frames] if first_image else [*frames, tiles]
+    else:
+        parts = frames
+    px = torch.cat(parts)[None]
+    ids = out["input_ids"][0].tolist()
+    inputs = {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"], "pixel_values": px,
+              "pixel_attention_mask": torch.ones(px.shape[:2] + px.shape[3:], dtype=torch.long)}
+    return ids, hf_greedy(hf, inputs, MAX_NEW)
+
+
+def test_number_words_equal_num2words():
+    from num2words import num2words
+
+    for n in [*range(0, 1200), 1999, 2100, 12_345, 100_000, 999_999]:
+        assert number_words(n) == num2words(n), n
+
+
+def test_videos_equal_transformers(ckpt):
+    """A video without metadata (frame k at k / 24 s), one with vLLM's metadata (frames at
+    frames_indices / fps: 00:00, 00:25, 01:05, 02:05 of a 2:10 video), two videos (a list of
+    PIL frames and a tensor, of one frame count: the processor pads a batch's videos to the
+    most frames and writes that count for each): the processor's ids and transformers' tokens; each frame
+    through the tower once; no block left behind."""
+    path, hf = ckpt
+    llm = _llm(path)
+    enc = llm.engine.mm_encoder
+    vc = enc.config
+    v3, v4, v2 = _video(3, seed=1), _video(4, 30, 18, seed=2), _video(3, 16, 40, seed=3)
+    meta = {"fps": 2.0, "frames_indices": [0, 50, 130, 250], "duration": 130.5, "total_num_frames": 261}
+    cases = [
+        ("the cat <video> runs fast", [v3], None, {"video": v3}),
+        ("watch <video> now", [v4], [meta], {"video": (v4, meta)}),
+        ("one <video> two <video> end", [v2, v3], None,
+         {"video": [[Image.fromarray(f) for f in v2], torch.from_numpy(v3)]}),
+    ]
+    want = [_hf(path, hf, vc, t, vids, md) for t, vids, md, _ in cases]
+    text = llm.get_tokenizer().decode(want[1][0])
+    assert "series of four frames from a 0:02:10 [H:MM:SS] video." in text
+    assert [x for x in ("00:00", "00:25", "01:05", "02:05") if f"Frame from {x}:" in text] == \
+        ["00:00", "00:25", "01:05", "02:05"]
+    encoded: list[int] = []
+    encode = enc.encode
+    enc.encode = lambda data: encoded.append(len(data)) or encode(data)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": d} for t, _, _, d in cases], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [ids for ids, _ in want]
+    assert _tokens(outs) == [t for _, t in want]
+    assert sum(encoded) == 3 + 4 + 3  # v3 twice: its frames' rows shared
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_image_beside_a_video_and_frames_in_token_ids(ckpt):
+    """An image (its tiles expanded here) then a video: transformers' tokens; the same
+    prompt with the frames written out in token ids gives the same ids and tokens."""
+    path, hf = ckpt
+    llm = _llm(path)
+    vc = llm.engine.mm_encoder.config
+    img, video = smooth_image(20, 40, seed=7), _video(2, seed=8)
+    text = "see <image> and <video> what"
+    ids, want = _hf(path, hf, vc, text, [video], images=[img])
+    written = llm.get_tokenizer().encode(expand_video_text(text, vc, [frame_times(video, 2, 0)]))
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": img, "video": video}},
+                         {"prompt_token_ids": written, "multi_modal_data": {"image": [img], "video": video}}],
+                        GREEDY, use_tqdm=False)
+    assert outs[0].prompt_token_ids == ids == outs[1].prompt_token_ids
+    assert _tokens(outs) == [want, want]
+
+
+def test_bad_video_requests_are_refused_by_name_and_leak_nothing(ckpt):
+    path, hf = ckpt
+    llm = _llm(path)
+    kv = llm.engine.kv_manager
+    free = kv.num_free_blocks
+    vc = llm.engine.mm_encoder.config
+    video = _video(3, seed=1)
+    ids = llm.get_tokenizer().encode("the cat <video> runs")
+    bad = [
+        ({"prompt": "a <video> b", "multi_modal_data": {"video": np.zeros((0, 20, 24, 3), np.uint8)}},
+         ["video 0 has no frames"]),
+        ({"prompt": "a <video> b", "multi_modal_data": {"video": video.astype(np.float32)}},
+         ["video 0: frames must be uint8 (T, H, W, 3), got float32 [3, 20, 24, 3]"]),
+        ({"prompt": "a <video> b", "multi_modal_data": {"video": [video, video]}},
+         ["the prompt has 1 video placeholder(s) (<video>) but 2 video(s) were given"]),
+        ({"prompt": "a <video> b", "multi_modal_data": {"video": (video, {"fps": 2.0, "frames_indices": [0, 4]})}},
+         ["video 0: metadata frames_indices has 2 entries for its 3 frames"]),
+        ({"prompt": "a <video> b", "multi_modal_data": {"video": (video, {"fps": 0})}},
+         ["video 0: metadata fps must be a positive number, got 0"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"video": video}},
+         ["ids hold <video> (id", "not expanded in token ids", "give the prompt as text"]),
+        ({"prompt_token_ids": [1, 5, 6, 7], "multi_modal_data": {"video": video}},
+         ["the prompt has 0 video frame(s)", "in token ids write them out"]),
+        ({"prompt": "a <video> b", "multi_modal_data": {"image": smooth_image(16, 16)}},
+         ["the prompt has video tokens (<video>, id", "but no video was given"]),
+        ({"prompt_token_ids": ids}, ["the prompt has video tokens (<video>, id", "but no video was given"]),
+    ]
+    good = ("the cat <video> runs fast", video)
+    outs = llm.generate([{"prompt": good[0], "multi_modal_data": {"video": good[1]}}, *(b for b, _ in bad)],
+                        GREEDY, use_tqdm=False)
+    for out, (_, needles) in zip(outs[1:], bad, strict=True):
+        assert out.error is not None and not out.outputs
+        for n in needles:
+            assert n in out.error, out.error
+    assert _tokens(outs[:1]) == [_hf(path, hf, vc, good[0], [good[1]])[1]]
+    assert kv.num_free_blocks == free and kv.stats().blocks_used == 0
+    assert not llm.engine.has_unfinished_requests()
