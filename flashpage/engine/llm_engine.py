@@ -209,7 +209,7 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | InternVLImageEncoder | Idefics3ImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL take videos too
+        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 take videos too
         takes: tuple[str, ...]
         if isinstance(mc.vision, QwenVisionConfig) or getattr(mc.vision, "takes_video", False):
             takes = ("image", "video")

@@ -39,6 +39,9 @@ The special tokens split the text, so the newlines are tokenized alone: their id
 the tokenizer's files (models/idefics3_config.py). Each tile's N rows are one
 MultiModalInput (the tiles of one image are apart in the prompt).
 
+SmolVLM2's videos (a ``<video>`` in a text prompt, each frame one tile and one input):
+models/smolvlm_video.py, through this encoder's ``expand_text`` and ``prepare``.
+
 Weights: the tower's under ``model.vision_model.``, the connector's under
 ``model.connector.`` (or either without ``model.``).
 """

@@ -9,7 +9,9 @@ preprocessor_config.json (Idefics3ImageProcessor / SmolVLMImageProcessor: the lo
 resized to ``size``, tiles of ``max_image_size`` with image splitting, LANCZOS by default,
 rescale, normalize), processor_config.json (image_seq_len) and the tokenizer's files (the
 ids of ``<fake_token_around_image>``, ``<global-img>``, ``<row_r_col_c>`` and of "\\n" /
-"\\n\\n" in its byte-level vocabulary: the prompt expansion works on ids).
+"\\n\\n" in its byte-level vocabulary: the prompt expansion works on ids). SmolVLM2's videos
+(models/smolvlm_video.py): the tokenizer's ``<video>`` and video_preprocessor_config.json
+(SmolVLMVideoProcessor: the frames' longest edge, mean / std, resample).
 """
 
 from __future__ import annotations
