@@ -6,7 +6,9 @@ tile's image tokens, "\\n\\n" after). The prompt ids equal transformers' SmolVLM
 frames, normalized under the checkpoint's video processor's mean and std, which differ from
 the images', and its metadata as transformers batches it), and greedy tokens equal
 SmolVLMForConditionalGeneration.generate, for frames without metadata (fps 24), with vLLM's
-metadata (frames_indices / fps / duration), two videos, and an image beside a video; bad
+metadata (frames_indices / fps / duration), two videos, and an image beside a video; a
+frame's pixels are the PIL image processor's one tile; a video file's bytes equal its decoded
+(frames, metadata) pair; bad
 video requests are refused by name beside a good one, leaking nothing. fp32, CPU."""
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, ima
 
 
 def test_number_words_equal_num2words():
-    from num2words import num2words
+    from num2words import num2words  # the package SmolVLMProcessor writes the count with
 
     for n in [*range(0, 1200), 1999, 2100, 12_345, 100_000, 999_999]:
         assert number_words(n) == num2words(n), n
@@ -193,3 +195,39 @@ def test_bad_video_requests_are_refused_by_name_and_leak_nothing(ckpt):
     assert _tokens(outs[:1]) == [_hf(path, hf, vc, good[0], [good[1]])[1]]
     assert kv.num_free_blocks == free and kv.stats().blocks_used == 0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_frames_are_the_processors_single_tile(ckpt):
+    """A frame's pixels equal transformers' SmolVLMImageProcessorPil's one tile without
+    splitting under the video processor's longest edge, mean and std (the same two resizes:
+    the longest edge, then the tile's square), within a uint8 level."""
+    path, _ = ckpt
+    vc = _llm(path).engine.mm_encoder.config
+    video = _video(3, 30, 18, seed=4)
+    proc = hf_image_processor(True, do_image_splitting=False, size={"longest_edge": 32}, image_mean=VIDEO_MEAN,
+                              image_std=VIDEO_STD)
+    want = proc(images=[[Image.fromarray(f)] for f in video], return_tensors="pt")["pixel_values"][:, 0]
+    got = video_frames(video, vc)
+    assert got.shape == want.shape == (3, 3, 16, 16)
+    assert torch.allclose(got, want.float(), atol=1.01 / 255 / min(VIDEO_STD))
+
+
+def test_video_file_equals_its_decoded_frames(ckpt):
+    """A video file's bytes (engine/video_io.py: its frames sampled, its metadata's fps and
+    frames_indices) give the ids and tokens of the (frames, metadata) pair it decodes to."""
+    from flashpage.engine.video_io import decode_video
+    from tests.video_files import encode, pattern_frames
+
+    pytest.importorskip("av")
+    path, _ = ckpt
+    llm = _llm(path)
+    raw = encode(pattern_frames(6, 24, 20), rate=2)
+    pair = decode_video(raw)
+    text = "a <video> b"
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"video": raw}},
+                         {"prompt": text, "multi_modal_data": {"video": pair}}], GREEDY, use_tqdm=False)
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    assert _tokens(outs[:1]) == _tokens(outs[1:])
+    times, _ = frame_times(pair, len(pair[0]), 0)
+    assert times[-1] >= 1 and f"Frame from 00:{int(times[-1]):02d}:" in llm.get_tokenizer().decode(
+        outs[0].prompt_token_ids)
