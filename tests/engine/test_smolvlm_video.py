@@ -8,7 +8,7 @@ the images', and its metadata as transformers batches it), and greedy tokens equ
 SmolVLMForConditionalGeneration.generate, for frames without metadata (fps 24), with vLLM's
 metadata (frames_indices / fps / duration), two videos, and an image beside a video; a
 frame's pixels are the PIL image processor's one tile; a video file's bytes equal its decoded
-(frames, metadata) pair; bad
+(frames, metadata) pair; LLM.chat's video part; bad
 video requests are refused by name beside a good one, leaking nothing. fp32, CPU."""
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _hf_processor(path):
     return p
 
 
-def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, images: list | None = None
-        ) -> tuple[list[int], list[int]]:
+def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, images: list | None = None,
+        **call) -> tuple[list[int], list[int]]:
     """(SmolVLMProcessor's ids for ``text``, transformers' greedy tokens on them): its video
     processor a stand-in giving our frames and transformers' own batched metadata (its
     defaults where none is given); an image's tiles from its image processor, in prompt order."""
@@ -86,7 +86,8 @@ def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, ima
         return BatchFeature({"pixel_values": torch.stack(frames), "video_metadata": meta})
 
     proc.video_processor = stand_in
-    call = {"video_metadata": metadata} if metadata is not None else {}
+    if metadata is not None:
+        call["video_metadata"] = metadata
     out = proc(text=[text], images=[images] if images else None, videos=videos or None, return_tensors="pt", **call)
     if images:  # the processor keeps one pixel_values: the images' taken from its image processor
         tiles = proc.image_processor(images=[images], return_tensors="pt")["pixel_values"][0]
@@ -231,3 +232,28 @@ def test_video_file_equals_its_decoded_frames(ckpt):
     times, _ = frame_times(pair, len(pair[0]), 0)
     assert times[-1] >= 1 and f"Frame from 00:{int(times[-1]):02d}:" in llm.get_tokenizer().decode(
         outs[0].prompt_token_ids)
+
+
+def test_chat_video_part(ckpt):
+    """LLM.chat's {"type": "video", "video": frames} part under SmolVLM2's chat template
+    (SmolVLMProcessor's DEFAULT_CHAT_TEMPLATE, which writes <video>): the <video> written out
+    into the rendered text and tokenized with it; the processor's ids on the rendered text (no
+    special tokens added, as its apply_chat_template) and transformers' tokens."""
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+    path, hf = ckpt
+    llm = _llm(path)
+    tok = llm.get_tokenizer()
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    vc = llm.engine.mm_encoder.config
+    video = _video(2, 30, 18, seed=10)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert "<video>what happens?" in rendered
+    conv = [{"role": "user", "content": [{"type": "video", "video": [Image.fromarray(f) for f in video]},
+                                         {"type": "text", "text": "what happens?"}]}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
+    ids, want = _hf(path, hf, vc, rendered, [video], add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    assert _tokens([out]) == [want]
