@@ -29,9 +29,11 @@ samples a file's frames.
 
 from __future__ import annotations
 
+import numbers
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
@@ -78,7 +80,8 @@ def number_words(n: int) -> str:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number (numpy's too: a decoder's metadata), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def frame_times(video: Any, frames: int, i: int) -> tuple[list[float], int]:
