@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -183,6 +183,53 @@ def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
+
+
+def expand_beside_frames(ids: list[int], token: int, name: str, is_frame: Callable[[int, int], bool],
+                         frame_form: str, images: list[Any], frames: int,
+                         expand_image: Callable[[Any], tuple[list[int], list[int]]]
+                         ) -> tuple[list[int], list[tuple[int, bool]]]:
+    """A prompt whose videos' frames are written out already (InternVL's, SmolVLM2's: each
+    frame's text around a tile's run of ``token``) and whose images are one ``token`` each:
+    the ids with each image made ``expand_image(image)`` (its ids, its inputs' first rows
+    within them), the frames kept, and each input's first row position with whether it is a
+    frame, in prompt order. ``is_frame(start, length)``: whether a run is a written-out
+    frame (``frame_form`` says what one looks like, ``name`` the token's text). A ValueError
+    names a run that is neither, or counts other than the items' (``frames`` frames in all,
+    ``images`` the images)."""
+    marks: list[tuple[int, int, bool]] = []  # (start, length, frame)
+    for s, n in token_runs(ids, token):
+        if is_frame(s, n):
+            marks.append((s, n, True))
+        elif n == 1:
+            marks.append((s, n, False))
+        else:
+            raise ValueError(f"the prompt has a run of {n} {name} (id {token}) at position {s}: with a "
+                             f"video, an image is one {name} (expanded here) and a frame {frame_form}")
+    n_frames = sum(f for _, _, f in marks)
+    n_images = len(marks) - n_frames
+    if n_frames != frames or n_images != len(images):
+        hint = " (a text prompt's <video> is written out as its frames here; in token ids write them out)" \
+            if n_frames == 0 else ""
+        raise ValueError(f"the prompt has {n_frames} video frame(s) and {n_images} image token(s) "
+                         f"({name}, id {token}) but {frames} frame(s) (the videos') and "
+                         f"{len(images)} image(s) were given{hint}")
+    out: list[int] = []
+    starts: list[tuple[int, bool]] = []
+    given = iter(images)
+    last = 0
+    for s, n, frame in marks:
+        out += ids[last:s]
+        if frame:
+            starts.append((len(out), True))
+            out += ids[s:s + n]
+        else:
+            exp, at = expand_image(next(given))
+            starts += [(len(out) + a, False) for a in at]
+            out += exp
+        last = s + n
+    out += ids[last:]
+    return out, starts
 
 
 def bidirectional_runs(inputs: list[MultiModalInput], start: int, end: int

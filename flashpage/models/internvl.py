@@ -66,7 +66,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
+from flashpage.engine.multimodal import (
+    MultiModalInput,
+    expand_beside_frames,
+    token_runs,
+    video_items,
+)
 from flashpage.engine.prompt_embeds import digest
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.clip_image import (
@@ -271,42 +276,17 @@ def expand_internvl_items(ids: list[int], vc: InternVLVisionConfig, image_rows: 
     with whether it is a frame, in prompt order. A ValueError names a run that is neither,
     or counts other than the items'."""
     tok, rows = vc.image_token_id, vc.tokens_per_image
-    marks: list[tuple[int, int, bool]] = []  # (start, length, frame)
-    for s, n in token_runs(ids, tok):
-        wrapped = s > 0 and ids[s - 1] == vc.start_token_id and s + n < len(ids) and ids[s + n] == vc.end_token_id
-        if wrapped and n == rows:
-            marks.append((s, n, True))
-        elif n == 1:
-            marks.append((s, n, False))
-        else:
-            raise ValueError(f"the prompt has a run of {n} <IMG_CONTEXT> (id {tok}) at position {s}: with a "
-                             f"video, an image is one <IMG_CONTEXT> (expanded here) and a frame "
-                             f"<img>, {rows} x <IMG_CONTEXT>, </img> (written from the video's placeholder)")
-    n_frames = sum(f for _, _, f in marks)
-    n_images = len(marks) - n_frames
-    if n_frames != frames or n_images != len(image_rows):
-        hint = " (a text prompt's <video> is written out as its frames here; in token ids write them out)" \
-            if n_frames == 0 else ""
-        raise ValueError(f"the prompt has {n_frames} video frame(s) and {n_images} image token(s) "
-                         f"(<IMG_CONTEXT>, id {tok}) but {frames} frame(s) (the videos') and "
-                         f"{len(image_rows)} image(s) were given{hint}")
-    out: list[int] = []
-    starts: list[tuple[int, bool]] = []
-    images = iter(image_rows)
-    last = 0
-    for s, n, frame in marks:
-        out += ids[last:s]
-        if frame:
-            starts.append((len(out), True))
-            out += ids[s:s + n]
-        else:
-            out.append(vc.start_token_id)
-            starts.append((len(out), False))
-            out += [tok] * next(images)
-            out.append(vc.end_token_id)
-        last = s + n
-    out += ids[last:]
-    return out, starts
+
+    def is_frame(s: int, n: int) -> bool:  # <img>, a tile's rows, </img>
+        return n == rows and s > 0 and ids[s - 1] == vc.start_token_id and s + n < len(ids) \
+            and ids[s + n] == vc.end_token_id
+
+    def image(r: int) -> tuple[list[int], list[int]]:  # <img>, its rows, </img>
+        return [vc.start_token_id, *[tok] * r, vc.end_token_id], [1]
+
+    return expand_beside_frames(ids, tok, "<IMG_CONTEXT>", is_frame,
+                                f"<img>, {rows} x <IMG_CONTEXT>, </img> (written from the video's placeholder)",
+                                image_rows, frames, image)
 
 
 # ------------------------------------------------------------------ the tower

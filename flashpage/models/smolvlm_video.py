@@ -36,7 +36,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
+from flashpage.engine.multimodal import (
+    MultiModalInput,
+    expand_beside_frames,
+    video_items,
+)
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import normalize
 from flashpage.models.idefics3_config import MAX_IMAGE_SIDE, Idefics3VisionConfig
@@ -178,39 +182,14 @@ def expand_items(ids: list[int], vc: Idefics3VisionConfig, grids: list[tuple[int
     if fake is None or glob is None:
         raise ValueError("the tokenizer's files hold no <fake_token_around_image> or <global-img>: a video's "
                          "prompt tokens (SmolVLMProcessor's) cannot be written")
-    marks: list[tuple[int, int, bool]] = []
-    for s, k in token_runs(ids, tok):
-        if k == n and s >= 2 and ids[s - 2:s] == [fake, glob] and s + k < len(ids) and ids[s + k] == fake:
-            marks.append((s, k, True))
-        elif k == 1:
-            marks.append((s, k, False))
-        else:
-            raise ValueError(f"the prompt has a run of {k} <image> (id {tok}) at position {s}: with a video, an "
-                             f"image is one <image> (expanded here) and a frame <fake_token_around_image> "
-                             f"<global-img>, {n} x <image>, <fake_token_around_image> (written from <video>)")
-    n_frames = sum(f for _, _, f in marks)
-    n_images = len(marks) - n_frames
-    if n_frames != frames or n_images != len(grids):
-        hint = " (a text prompt's <video> is written out as its frames here; in token ids write them out)" \
-            if n_frames == 0 else ""
-        raise ValueError(f"the prompt has {n_frames} video frame(s) and {n_images} image token(s) (<image>, id "
-                         f"{tok}) but {frames} frame(s) (the videos') and {len(grids)} image(s) were given{hint}")
-    out: list[int] = []
-    starts: list[tuple[int, bool]] = []
-    images = iter(grids)
-    last = 0
-    for s, k, frame in marks:
-        out += ids[last:s]
-        if frame:
-            starts.append((len(out), True))
-            out += ids[s:s + k]
-        else:
-            exp, at = _image_ids(vc, next(images))
-            starts += [(len(out) + a, False) for a in at]
-            out += exp
-        last = s + k
-    out += ids[last:]
-    return out, starts
+
+    def is_frame(s: int, k: int) -> bool:  # <fake_token_around_image> <global-img>, N <image>, <fake...>
+        return k == n and s >= 2 and ids[s - 2:s] == [fake, glob] and s + k < len(ids) and ids[s + k] == fake
+
+    return expand_beside_frames(
+        ids, tok, "<image>", is_frame,
+        f"<fake_token_around_image> <global-img>, {n} x <image>, <fake_token_around_image> (written from <video>)",
+        grids, frames, lambda grid: _image_ids(vc, grid))
 
 
 def prepare_videos(enc: Idefics3ImageEncoder, ids: list[int], data: dict[str, Any]
