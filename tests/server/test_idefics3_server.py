@@ -11,8 +11,8 @@ import pytest
 from flashpage import LLM, SamplingParams
 from tests.idefics3_checkpoint import build_tiny_idefics3
 from tests.llava_checkpoint import smooth_image
-from tests.server.conftest import engine_kwargs, live_server
-from tests.server.test_llava_server import MAX_TOKENS, _msg, chat
+from tests.server.conftest import engine_kwargs
+from tests.server.test_llava_server import MAX_TOKENS, _msg, assert_served_as
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +40,7 @@ def test_image_urls_and_llm_chat_equal_generate(smolvlm_dir):
         assert want.error is None, want.error
         assert len(want.prompt_token_ids) == len(ids) + sum(r - 1 for r in enc.rows_of(list(images)))
         wants.append(want)
-    with live_server(smolvlm_dir, engine_kw=kw) as server:
-        for images, want in zip(cases, wants, strict=True):
-            r = chat(server, _msg("the quick brown fox", *images))
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["choices"][0]["message"]["content"] == want.outputs[0].text
-            assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
-        # a prompt too long once its images are expanded: refused before it runs, by its length
-        r = chat(server, _msg("the quick brown fox", *([smooth_image(30, 30, seed=3)] * 2)))
-        assert r.status_code == 400 and "320" in r.text, r.text
-        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+    # a prompt too long once its images are expanded: refused before it runs, by its length
+    assert_served_as(smolvlm_dir, kw, cases, wants, [smooth_image(30, 30, seed=3)] * 2, 320)
     outs = llm.chat([_msg("the quick brown fox", *images) for images in cases], params, use_tqdm=False)
     assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in wants]

@@ -12,8 +12,8 @@ from flashpage import LLM, SamplingParams
 from flashpage.models.internvl import tile_image
 from tests.internvl_checkpoint import build_tiny_internvl
 from tests.llava_checkpoint import smooth_image
-from tests.server.conftest import engine_kwargs, live_server
-from tests.server.test_llava_server import MAX_TOKENS, _msg, chat
+from tests.server.conftest import engine_kwargs
+from tests.server.test_llava_server import MAX_TOKENS, _msg, assert_served_as
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +42,7 @@ def test_image_urls_and_llm_chat_equal_generate(ivl_dir):
         rows = sum(tile_image(im, vc).rows for im in images)
         assert len(want.prompt_token_ids) == len(ids) + rows + len(images)  # <img>, </img> for each placeholder
         wants.append(want)
-    with live_server(ivl_dir, engine_kw=kw) as server:
-        for images, want in zip(cases, wants, strict=True):
-            r = chat(server, _msg("the quick brown fox", *images))
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["choices"][0]["message"]["content"] == want.outputs[0].text
-            assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
-        # a prompt too long once its images are expanded: refused before it runs, by its length
-        r = chat(server, _msg("the quick brown fox", *([smooth_image(10, 90, seed=3)] * 3)))
-        assert r.status_code == 400 and "256" in r.text, r.text
-        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+    # a prompt too long once its images are expanded: refused before it runs, by its length
+    assert_served_as(ivl_dir, kw, cases, wants, [smooth_image(10, 90, seed=3)] * 3, 256)
     outs = llm.chat([_msg("the quick brown fox", *images) for images in cases], params, use_tqdm=False)
     assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in wants]

@@ -69,6 +69,23 @@ def _msg(text: str, *images) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
+def assert_served_as(model_dir, engine_kw: dict, cases, wants, too_long, max_model_len: int) -> None:
+    """A live server over ``model_dir`` answers each case's images (with "the quick brown
+    fox") as ``wants`` (LLM.generate's outputs), its usage their expanded prompt lengths; the
+    images ``too_long`` make a prompt refused (400) by its length before it runs; no KV
+    block stays held."""
+    with live_server(model_dir, engine_kw=engine_kw) as server:
+        for images, want in zip(cases, wants, strict=True):
+            r = chat(server, _msg("the quick brown fox", *images))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["message"]["content"] == want.outputs[0].text
+            assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        r = chat(server, _msg("the quick brown fox", *too_long))
+        assert r.status_code == 400 and str(max_model_len) in r.text, r.text
+        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
 def _offline_text(offline: LLM, prompt: str, images) -> str:
     """LLM.generate's text for ``prompt`` as the chat template renders it (tokenized without
     the tokenizer's BOS, as apply_chat_template tokenizes) and ``images``."""
