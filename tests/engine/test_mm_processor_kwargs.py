@@ -8,7 +8,6 @@ by name, the batch's other requests unaffected and no block leaked. fp32, CPU.""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,6 +15,7 @@ from flashpage import SamplingParams
 from tests.conftest import count_encodes as _spy
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
+from tests.engine.test_qwen3_vl_video import _frames, _ids
 from tests.llava_checkpoint import smooth_image
 from tests.qwen2_vl_checkpoint import MAX_PIXELS, build_tiny_qwen2_vl
 from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl
@@ -36,23 +36,6 @@ def paths(tmp_path_factory):
         return built[variant]
 
     return get
-
-
-def _ids(enc, items: str, seed: int) -> list[int]:
-    """Text, then per letter of ``items`` ("i": image, "v": video) its placeholder triple
-    and two text tokens, then more text."""
-    vc = enc.config
-    g = torch.Generator().manual_seed(seed)
-    text = torch.randint(3, 200, (8 + 2 * len(items),), generator=g).tolist()
-    ids = [1, *text[:3]]
-    for k, c in enumerate(items):
-        pad = vc.image_token_id if c == "i" else vc.video_token_id
-        ids += [vc.vision_start_token_id, pad, vc.vision_end_token_id, *text[3 + 2 * k:5 + 2 * k]]
-    return ids + text[3 + 2 * len(items):]
-
-
-def _frames(n: int, h: int, w: int, seed: int) -> np.ndarray:
-    return np.stack([np.asarray(smooth_image(h, w, seed=seed * 100 + i)) for i in range(n)])
 
 
 def _prompt(ids, data=None, kw=None) -> dict:
