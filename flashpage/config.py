@@ -2116,25 +2116,29 @@ def _pinpoints(v: Any, key: str, where: str, image_size: int) -> tuple[tuple[int
     return out
 
 
-def pixel_steps(pc: dict[str, Any], where: str
+def pixel_steps(pc: dict[str, Any], where: str, *, mean_default: tuple[float, ...] = _OPENAI_CLIP_MEAN,
+                std_default: tuple[float, ...] = _OPENAI_CLIP_STD, resample_default: int = 3,
+                resamples: dict[int, str] = _PIL_RESAMPLE
                 ) -> tuple[float | None, tuple[float, ...] | None, tuple[float, ...] | None, str, bool]:
     """An image processor config's per-pixel steps, as CLIPImageProcessor,
-    Qwen2VLImageProcessor and PixtralImageProcessor read them -> (rescale_factor or None,
-    mean, std (None without do_normalize; CLIP's defaults), the resample mode, convert to
-    RGB); a ConfigError names a bad field."""
-    resample = pc.get("resample", 3)
-    if resample not in _PIL_RESAMPLE:
-        raise ConfigError(f"{where}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
+    Qwen2VLImageProcessor and PixtralImageProcessor read them (Idefics3's / SmolVLM's with
+    their defaults: mean = std = 0.5, LANCZOS among ``resamples``) -> (rescale_factor or
+    None, mean, std (None without do_normalize; CLIP's defaults), the resample mode, convert
+    to RGB); a ConfigError names a bad field."""
+    resample = pc.get("resample", resample_default)
+    if resample not in resamples:
+        known = ", ".join(f"{k}: {v}" for k, v in resamples.items())
+        raise ConfigError(f"{where}: resample {resample!r} is not supported ({known})")
     norm = pc.get("do_normalize", True)
-    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if norm else None
-    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if norm else None
+    mean = tuple(pc.get("image_mean", mean_default)) if norm else None
+    std = tuple(pc.get("image_std", std_default)) if norm else None
     for name, vals in (("image_mean", mean), ("image_std", std)):
         if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
             raise ConfigError(f"{where}: {name} must be 3 numbers, got {list(vals)!r}")
     if std is not None and any(x == 0 for x in std):
         raise ConfigError(f"{where}: image_std has a zero")
     rescale = float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None
-    return rescale, mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_convert_rgb", True))
+    return rescale, mean, std, resamples[resample], bool(pc.get("do_convert_rgb", True))
 
 
 def _image_processing(folder: str | None, image_size: int, where: str,

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flashpage.config import ConfigError, ImageProcessing, _json_object, vit_section
+from flashpage.config import ConfigError, ImageProcessing, _json_object, pixel_steps, vit_section
 from flashpage.models.internvl_config import _vocab
 from flashpage.models.pil_resample import FILTERS
 
@@ -133,25 +133,21 @@ def _processing(folder: str | None, image_size: int, arch: str
         raise ConfigError(f"{path}: do_resize false is not supported (the longest edge is resized to "
                           "size before the tiles are cut)")
     longest = _edge(pc, "size", 4 * 364, path)
-    code = pc.get("resample", 1)
-    if code not in _RESAMPLE:
-        raise ConfigError(f"{path}: resample {code!r} is not supported (1: lanczos, 2: bilinear, 3: bicubic)")
+    rescale, mean, std, mode, rgb = _pixel_steps(pc, path)
     splitting = pc.get("do_image_splitting", True)
     if not isinstance(splitting, bool):
         raise ConfigError(f"{path}: do_image_splitting must be true or false, got {splitting!r}")
-    norm = pc.get("do_normalize", True)
-    mean = tuple(pc.get("image_mean", half)) if norm else None
-    std = tuple(pc.get("image_std", half)) if norm else None
-    for name, vals in (("image_mean", mean), ("image_std", std)):
-        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
-            raise ConfigError(f"{path}: {name} must be 3 numbers, got {list(vals)!r}")
-    if std is not None and any(x == 0 for x in std):
-        raise ConfigError(f"{path}: image_std has a zero")
-    rescale = float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None
-    proc = ImageProcessing(None, None, None, rescale, mean, std, _RESAMPLE[code], False,
-                           bool(pc.get("do_convert_rgb", True)))
-    assert _RESAMPLE[code] in FILTERS
-    return proc, longest, tile, splitting, _RESAMPLE[code]
+    return ImageProcessing(None, None, None, rescale, mean, std, mode, False, rgb), longest, tile, splitting, mode
+
+
+def _pixel_steps(pc: dict[str, Any], path: str) -> tuple[float | None, tuple[float, ...] | None,
+                                                         tuple[float, ...] | None, str, bool]:
+    """config.pixel_steps under Idefics3's / SmolVLM's processors' defaults (mean = std =
+    0.5, LANCZOS; the modes models/pil_resample.py runs)."""
+    half = (0.5, 0.5, 0.5)
+    steps = pixel_steps(pc, path, mean_default=half, std_default=half, resample_default=1, resamples=_RESAMPLE)
+    assert steps[3] in FILTERS
+    return steps
 
 
 def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImageProcessing, int]:
@@ -176,19 +172,8 @@ def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImagePr
     size = sampling.get("video_size") if isinstance(sampling, dict) and "video_size" in sampling else None
     longest = _edge({"size": size if size is not None else pc.get("size", {"longest_edge": 4 * 364})},
                     "size", 4 * 364, path)
-    code = pc.get("resample", 1)
-    if code not in _RESAMPLE:
-        raise ConfigError(f"{path}: resample {code!r} is not supported (1: lanczos, 2: bilinear, 3: bicubic)")
-    norm = pc.get("do_normalize", True)
-    mean = tuple(pc.get("image_mean", half)) if norm else None
-    std = tuple(pc.get("image_std", half)) if norm else None
-    for name, vals in (("image_mean", mean), ("image_std", std)):
-        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)
-                                 or (name == "image_std" and any(x == 0 for x in vals))):
-            raise ConfigError(f"{path}: {name} must be 3 numbers (std not zero), got {list(vals)!r}")
-    rescale = float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None
-    return ImageProcessing(None, None, None, rescale, mean, std, _RESAMPLE[code], False,
-                           bool(pc.get("do_convert_rgb", True))), longest
+    rescale, mean, std, mode, rgb = _pixel_steps(pc, path)
+    return ImageProcessing(None, None, None, rescale, mean, std, mode, False, rgb), longest
 
 
 def _seq_len(folder: str | None) -> tuple[int | None, str | None]:
