@@ -107,3 +107,18 @@ v2lite_step_profiles() {
   timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
     --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
 }
+
+# A session plan's GPU tests and VLM runs (gpu_s35.sh, gpu_s36.sh): the pytest files of CTESTS
+# with -m gpu, their log as $OUT/gpu_session${SESSION}_tests_$PART.txt, the summary lines
+# printed; then benchmarks/vlm.py on each config of VLMCONFIG beside transformers.
+tests() {
+  timeout "$(left "$1")" $PT -rfE -s -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 \
+    | tee "$OUT/gpu_session${SESSION:?}_tests_${PART:?}.txt" | grep -E "agreement|passed|failed|Error|assert" \
+    | tail -n 24
+}
+vlms() {
+  for c in ${VLMCONFIG:-}; do
+    timeout "$(left "$1")" python3 benchmarks/vlm.py --config "$c" --json-out "$OUT/vlm_$c.json" 2>&1 \
+      | grep -v "^INFO" | grep -v -i warn | tail -n 8
+  done
+}

@@ -11,17 +11,8 @@
 #                                             and requests beside transformers' again (fused qkv)
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
+SESSION=35
 source "$(dirname "$0")/gpu_lib.sh"
-tests() {
-  timeout "$(left "$1")" $PT -rfE -s -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 \
-    | tee "$OUT/gpu_session35_tests_$PART.txt" | grep -E "agreement|passed|failed|Error|assert" | tail -n 16
-}
-vlms() {
-  for c in ${VLMCONFIG:-}; do
-    timeout "$(left "$1")" python3 benchmarks/vlm.py --config "$c" --json-out "$OUT/vlm_$c.json" 2>&1 \
-      | grep -v "^INFO" | grep -v -i warn | tail -n 8
-  done
-}
 case "$PART" in
 a)
   tests 240
