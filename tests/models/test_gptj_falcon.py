@@ -118,23 +118,45 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny):
 
 
 @pytest.mark.parametrize("name", ["falcon_7b", "falcon_40b", "falcon_seq"])
-def test_query_key_value_rows_regrouped(tiny, name):
-    """Our qkv_proj's q, k and v for an input are transformers' (FalconAttention's
-    _split_heads of query_key_value; the new architecture's k and v broadcast to every
-    query head of their group), bias included."""
+def test_query_key_value_rows_regrouped(tiny, name, monkeypatch):
+    """Our qkv_proj's q, k and v for an input are those transformers' FalconAttention splits
+    query_key_value into (q and k as they enter its rotary, v as it enters attention), bias
+    included. Where transformers broadcasts the new architecture's k and v to every query
+    head of their group (before 5.25), each group's first copy is compared."""
+    from transformers.models.falcon import modeling_falcon
+
     path = tiny(name)
     model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     c = model.config
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
+    seen: dict[str, torch.Tensor] = {}
+    rotary, eager = modeling_falcon.apply_rotary_pos_emb, modeling_falcon.eager_attention_forward
+
+    def capture_rotary(q, k, *args, **kwargs):
+        seen.setdefault("q", q)
+        seen.setdefault("k", k)
+        return rotary(q, k, *args, **kwargs)
+
+    def capture_attention(module, q, k, v, *args, **kwargs):
+        seen.setdefault("v", v)
+        return eager(module, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_falcon, "apply_rotary_pos_emb", capture_rotary)
+    monkeypatch.setattr(modeling_falcon, "eager_attention_forward", capture_attention)
     attn = hf.transformer.h[1].self_attention
     with torch.no_grad():
         q, k, v = model.model.layers[1].self_attn.qkv_proj(x[0]).split(
             [64, 16 * c.num_key_value_heads, 16 * c.num_key_value_heads], dim=-1)
-        want = attn._split_heads(attn.query_key_value(x))
-    group = 4 // c.num_key_value_heads if c.parallel_norms == 2 else 1  # broadcast copies
+        if hasattr(attn, "_split_heads"):  # transformers < 5.25: [1, 5, heads, 16] each
+            want = attn._split_heads(attn.query_key_value(x))
+        else:  # [1, heads, 5, 16] each, from its forward
+            pos = torch.arange(5)[None]
+            attn(x, attention_mask=None, position_ids=pos, position_embeddings=hf.transformer.rotary_emb(x, pos))
+            want = tuple(seen[n].transpose(1, 2) for n in "qkv")
     torch.testing.assert_close(q, want[0].reshape(5, 64), atol=1e-6, rtol=1e-6)
     for got, w in zip((k, v), want[1:], strict=True):
+        group = w.shape[2] // c.num_key_value_heads  # transformers' copies of each KV head
         torch.testing.assert_close(got, w[0, :, ::group].reshape(5, -1), atol=1e-6, rtol=1e-6)
 
 
