@@ -76,10 +76,10 @@ class FileStore:
                 try:
                     obj = json.loads(meta.read_text())
                     if (self.folder / obj["id"]).is_file():
-                        found.append(obj)
+                        found.append((obj["created_at"], meta.stat().st_mtime_ns, obj))
                 except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("--files-dir: skipping %s (not a file object)", meta)
-            for obj in sorted(found, key=lambda o: o["created_at"]):  # the lists' order
+            for *_, obj in sorted(found, key=lambda f: f[:2]):  # the lists' order: creation
                 self._objects[obj["id"]] = obj
 
     @property
