@@ -491,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--files-dir", default=None,
+                   help="where the Files / Batches API keeps uploaded files and batch results "
+                        "(default: in memory; FLASHPAGE_FILES_MAX_BYTES bounds them either way)")
     add_http_arguments(p)
     add_tool_arguments(p)
     add_lora_module_arguments(p)

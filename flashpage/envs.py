@@ -365,3 +365,15 @@ def video_max_bytes() -> int:
     (default 256 MiB; engine/media.py, engine/video_io.py)."""
     value = os.environ.get("FLASHPAGE_VIDEO_MAX_BYTES", "").strip()
     return int(value) if value else 256 << 20
+
+
+def files_max_bytes() -> int:
+    """FLASHPAGE_FILES_MAX_BYTES: the most bytes the server's Files API keeps at once, uploads
+    and batch results together (default 512 MiB; server/files.py): an upload past it is a
+    413 naming this variable. Read at each upload."""
+    value = os.environ.get("FLASHPAGE_FILES_MAX_BYTES", "").strip()
+    if not value:
+        return 512 << 20
+    if not value.isdigit():
+        raise ValueError(f"FLASHPAGE_FILES_MAX_BYTES must be a number of bytes, got {value!r}")
+    return int(value)

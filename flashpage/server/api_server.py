@@ -4,7 +4,8 @@
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
 server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
-and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's);
+and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's),
+OpenAI's Files and Batches APIs (/v1/files, /v1/batches: server/batches.py);
 with FLASHPAGE_SERVER_DEV_MODE=1, POST /sleep, POST /wake_up, GET /is_sleeping and POST
 /reload_weights (sleep mode).
 See docs/server.md.
@@ -84,7 +85,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               lora_modules: list[LoRARequest] | None = None,
               reasoning_parser: str | None = None,
               structured_outputs_in_reasoning: bool = False,
-              cors: dict[str, Any] | None = None, log_requests: bool = False) -> FastAPI:
+              cors: dict[str, Any] | None = None, log_requests: bool = False,
+              files_dir: str | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
@@ -98,6 +100,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     cors: starlette's CORSMiddleware arguments (allow_origins, allow_methods, allow_headers,
     allow_credentials; None: no CORS headers). log_requests: vLLM's --enable-log-requests,
     an INFO line per request at arrival and at finish (server/request_log.py).
+    files_dir: where the Files API keeps its files (server/files.py; None: in memory).
     """
     state = build_state(async_engine, served_model_name, api_key, max_n=max_n,
                         max_body_bytes=max_body_bytes, max_prompts=max_prompts,
@@ -112,6 +115,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         try:
             yield
         finally:
+            await batches.close()  # running batches cancelled, their requests aborted
             async_engine.shutdown()
             state.tokenizer.close()
 
@@ -293,6 +297,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     if envs.server_dev_mode():  # vLLM's sleep-mode routes (its VLLM_SERVER_DEV_MODE)
         _add_sleep_routes(app, state, async_engine)
 
+    from flashpage.server.batches import add_batch_routes
+
+    # OpenAI's Files and Batches APIs (/v1/files, /v1/batches; server/batches.py)
+    batches = add_batch_routes(app, state, files_dir)
+
     @app.post("/reset_prefix_cache")  # vLLM's (there in its dev mode): forget cached prefixes
     async def reset_prefix_cache(request: Request) -> Response:
         _check_key(state, request)
@@ -388,8 +397,11 @@ def _check_key(state: ServerState, request: Request) -> None:
                        "authentication_error", None, "invalid_api_key")
 
 
-async def _read_body(state: ServerState, request: Request) -> bytes:
-    limit = state.max_body_bytes
+async def _read_body(state: ServerState, request: Request, limit: int | None = None,
+                     why: str = "") -> bytes:
+    """The body, at most ``limit`` bytes (default the server's JSON body limit; ``why``
+    names where another comes from in the 413)."""
+    limit = state.max_body_bytes if limit is None else limit
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -397,12 +409,13 @@ async def _read_body(state: ServerState, request: Request) -> bytes:
         except ValueError:
             raise bad_request("invalid Content-Length header") from None
         if size > limit:
-            raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes")
+            raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} "
+                           f"bytes{why}")
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes{why}")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -487,7 +500,8 @@ def run_server(args: argparse.Namespace) -> int:
                     structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning",
                                                                  False)),
                     cors=_cors(args),
-                    log_requests=bool(getattr(args, "enable_log_requests", False)))
+                    log_requests=bool(getattr(args, "enable_log_requests", False)),
+                    files_dir=getattr(args, "files_dir", None))
     ssl = {k: getattr(args, k, None) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")}
     logger.info("serving %r on %s://%s:%d", name, "https" if ssl["ssl_certfile"] else "http",
                 args.host, args.port)
@@ -530,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--files-dir", default=None)
     add_tool_arguments(p)
     add_lora_module_arguments(p)
     add_engine_arguments(p)

@@ -216,14 +216,32 @@ async def answer(state: ServerState, routes: dict[str, tuple[type[BaseModel], Ha
     return _output(line.custom_id, status, data, status != 200)
 
 
+def start_lines(state: ServerState, lines: list[BatchLine],
+                aliases: frozenset[str] = frozenset(),
+                limit: int | None = None) -> list[asyncio.Task[dict[str, Any]]]:
+    """A task per line giving its output line (``answer``), all started now; with ``limit``
+    at most that many run at once, the others waiting for a slot before anything of theirs
+    reaches the engine (so cancelling a waiting one runs nothing). Cancelling a running one
+    aborts its engine requests (their KV blocks freed)."""
+    routes = _routes()
+    gate = asyncio.Semaphore(limit) if limit else None
+
+    async def one(line: BatchLine) -> dict[str, Any]:
+        if gate is None:
+            return await answer(state, routes, line, aliases)
+        async with gate:
+            return await answer(state, routes, line, aliases)
+
+    return [asyncio.ensure_future(one(line)) for line in lines]
+
+
 async def run_lines(state: ServerState, lines: list[BatchLine], write: Callable[[str], Any],
                     aliases: frozenset[str] = frozenset(), progress: bool = True) -> Counter[int]:
     """Run every line at once and ``write`` each output line (JSON, newline-terminated) in
     input order as soon as those before it are written; the failed lines, by status."""
     from tqdm import tqdm
 
-    routes = _routes()
-    tasks = [asyncio.ensure_future(answer(state, routes, line, aliases)) for line in lines]
+    tasks = start_lines(state, lines, aliases)
     failed: Counter[int] = Counter()
     with tqdm(total=len(tasks), desc="Running batch", unit="req", file=sys.stderr,
               disable=not progress) as bar:

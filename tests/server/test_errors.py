@@ -172,6 +172,11 @@ def test_api_key(keyed_server):
     assert_error(httpx.get(s.url + "/metrics"), 401)
     assert_error(httpx.post(s.url + "/tokenize", json={"prompt": "hi"}), 401)
     assert_error(httpx.post(s.url + "/detokenize", json={"tokens": [5]}), 401)
+    for method, path in (("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/f"),
+                         ("GET", "/v1/files/f/content"), ("DELETE", "/v1/files/f"),
+                         ("POST", "/v1/batches"), ("GET", "/v1/batches"),
+                         ("GET", "/v1/batches/b"), ("POST", "/v1/batches/b/cancel")):
+        assert_error(httpx.request(method, s.url + path), 401)
     assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     assert httpx.get(s.url + "/health").status_code == 200
     # The key is checked before the body is even parsed.
