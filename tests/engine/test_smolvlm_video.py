@@ -244,7 +244,7 @@ def test_chat_video_part(ckpt):
     path, hf = ckpt
     llm = _llm(path)
     tok = llm.get_tokenizer()
-    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE  # the checkpoint's (tests/idefics3_checkpoint.py)
     vc = llm.engine.mm_encoder.config
     video = _video(2, 30, 18, seed=10)
     rendered = tok.apply_chat_template(

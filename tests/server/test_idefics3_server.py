@@ -2,14 +2,21 @@
 models/idefics3.py): one image (a grid of tiles and the global one) and two give
 LLM.generate's tokens for the prompt SmolVLM's chat template renders (an <image> per image
 part), usage counting each image's expanded prompt tokens; an over-long prompt is refused by
-its length; LLM.chat with the same parts gives the server's tokens."""
+its length; LLM.chat with the same parts gives the server's tokens. SmolVLM2's video_url parts
+(a file:// video and the same file as a data URL beside an image, engine/video_io.py sampling
+it as --media-io-kwargs says; models/smolvlm_video.py) give LLM.generate's tokens for the
+rendered prompt with its <video> written out and the decoded (frames, metadata) pair, usage
+counting every frame's rows, and LLM.chat's; a prompt too long with two videos is refused by
+its length."""
 
 from __future__ import annotations
+
+import base64
 
 import pytest
 
 from flashpage import LLM, SamplingParams
-from tests.idefics3_checkpoint import build_tiny_idefics3
+from tests.idefics3_checkpoint import ROWS, build_tiny_idefics3
 from tests.llava_checkpoint import smooth_image
 from tests.server.conftest import engine_kwargs
 from tests.server.test_llava_server import MAX_TOKENS, _msg, assert_served_as
@@ -44,3 +51,50 @@ def test_image_urls_and_llm_chat_equal_generate(smolvlm_dir):
     assert_served_as(smolvlm_dir, kw, cases, wants, [smooth_image(30, 30, seed=3)] * 2, 320)
     outs = llm.chat([_msg("the quick brown fox", *images) for images in cases], params, use_tqdm=False)
     assert [o.outputs[0].text for o in outs] == [w.outputs[0].text for w in wants]
+
+
+def test_video_urls_equal_generate_and_llm_chat(tmp_path):
+    """SmolVLM2 (its template writes <video> for a video part): a file:// video_url and the
+    same file as a data URL beside an image answer as LLM.generate on the decoded pair."""
+    pytest.importorskip("av")
+    from flashpage.engine.video_io import VideoSampling, decode_video
+    from tests.video_files import encode, pattern_frames
+
+    path = build_tiny_idefics3(tmp_path / "smolvlm2", smolvlm=True, video={"size": {"longest_edge": 32}})
+    root = tmp_path / "media"
+    root.mkdir()
+    raw = encode(pattern_frames(6, 24, 20, seed=7), rate=2)
+    (root / "clip.mkv").write_bytes(raw)
+    kw = {"allowed_local_media_path": str(root), "media_io_kwargs": {"video": {"num_frames": 4}},
+          "max_model_len": 400}  # a video and an image fit; two videos do not
+    llm = LLM(str(path), **{**engine_kwargs(), **kw})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    tok = llm.get_tokenizer()
+    enc = llm.engine.mm_encoder
+    pair = decode_video(raw, sampling=VideoSampling(num_frames=4))
+    assert pair[1]["frames_indices"] == [0, 1, 3, 5]  # 4 of the file's 6 frames
+    img = smooth_image(20, 40, seed=1)
+    clip = {"type": "video_url", "video_url": {"url": f"file://{root}/clip.mkv"}}
+    inline = {"type": "video_url", "video_url": {"url": "data:video/x-matroska;base64,"
+                                                        + base64.b64encode(raw).decode()}}
+    cases = [(clip,), (inline, img)]
+    wants = []
+    for parts in cases:
+        kinds = [{"type": "video"} if isinstance(p, dict) else {"type": "image"} for p in parts]
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": [*kinds, {"type": "text", "text": "the quick brown fox"}]}],
+            add_generation_prompt=True, tokenize=False)
+        data = {"video": [pair], **({"image": [img]} if len(parts) > 1 else {})}
+        text = enc.expand_videos(prompt, data)
+        assert text.count("Frame from 00:0") == 4 and "series of four frames from a 0:00:03" in text
+        ids = tok.encode(text, add_special_tokens=False)
+        want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": data}, params, use_tqdm=False)[0]
+        assert want.error is None, want.error
+        tiles = 4 + sum(enc.pixel_values(im).pixels.shape[0] for im in data.get("image", []))
+        assert want.prompt_token_ids.count(enc.config.image_token_id) == ROWS * tiles  # each frame a tile
+        wants.append(want)
+    # two videos: their frames' rows over max_model_len, refused before they run, by its length
+    assert_served_as(path, kw, cases, wants, [clip, clip], 400)
+    outs = llm.chat([_msg("the quick brown fox", *parts) for parts in cases], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in wants]
+    assert [o.prompt_token_ids for o in outs] == [w.prompt_token_ids for w in wants]
