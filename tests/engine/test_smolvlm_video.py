@@ -9,7 +9,8 @@ SmolVLMForConditionalGeneration.generate, for frames without metadata (fps 24), 
 metadata (frames_indices / fps / duration), two videos, and an image beside a video; a
 frame's pixels are the PIL image processor's one tile; a video file's bytes equal its decoded
 (frames, metadata) pair; LLM.chat's video part; bad
-video requests are refused by name beside a good one, leaking nothing. fp32, CPU."""
+video requests are refused by name beside a good one, leaking nothing. fp32, CPU. On a GPU:
+bf16 with CUDA graphs against transformers' bf16 and fp32 on the same frames."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import pytest
 import torch
 from PIL import Image
 
-from flashpage import SamplingParams
+from flashpage import LLM, SamplingParams
 from flashpage.models.smolvlm_video import (
     expand_video_text,
     frame_times,
     number_words,
     video_frames,
 )
+from tests.conftest import assert_top_one_agreement
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.idefics3_checkpoint import (
@@ -257,3 +259,50 @@ def test_chat_video_part(ckpt):
     ids, want = _hf(path, hf, vc, rendered, [video], add_special_tokens=False)
     assert out.prompt_token_ids == ids
     assert _tokens([out]) == [want]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smolvlm_video_on_the_gpu_bf16(tmp_path, monkeypatch):
+    """bf16 on CUDA (triton backend, CUDA graphs for decodes): videos (without metadata, with
+    vLLM's, of 2 to 4 frames) beside a text prompt; tokens equal an eager engine's;
+    teacher-forced on our tokens, our token is transformers' fp32 top one about as often as
+    its own bf16 top token is (within 3 points, at least 85%), on the same frames. Our
+    greedy runs stop at a generated <image> or <fake_token_around_image> (the tiny
+    vocabulary has them), which is compared but not fed back: transformers would take a
+    fed <image> for a placeholder without its frame."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    path = build_tiny_idefics3(tmp_path / "sv64", smolvlm=True,
+                               text=dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),  # head_dim 64
+                               video={"size": {"longest_edge": 32}, "image_mean": VIDEO_MEAN,
+                                      "image_std": VIDEO_STD})
+    hf = hf_idefics3(path, device="cuda")
+    hf16 = hf_idefics3(path, dtype=torch.bfloat16, device="cuda")
+    meta = {"fps": 2.0, "frames_indices": [0, 50, 130, 250], "duration": 130.5, "total_num_frames": 261}
+    videos = [_video(2, seed=60), (_video(4, 30, 18, seed=61), meta), _video(3, 16, 40, seed=62), None]
+    texts = ["the cat <video> runs fast", "watch <video> now", "<video> what happens next", "the quick brown fox"]
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                  max_num_batched_tokens=128, **kw)
+        vc = llm.engine.mm_encoder.config
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                stop_token_ids=[vc.image_token_id, vc.fake_token_id])
+        prompts = [{"prompt": t, **({"multi_modal_data": {"video": v}} if v is not None else {})}
+                   for t, v in zip(texts, videos, strict=True)]
+        return llm, llm.generate(prompts, params, use_tqdm=False)
+
+    llm, outs = run()
+    assert llm.engine.runner.graphs is not None
+    assert _tokens(outs) == _tokens(run(enforce_eager=True)[1])
+    vc = llm.engine.mm_encoder.config
+    assert [o.prompt_token_ids.count(vc.image_token_id) for o in outs] == [ROWS * n for n in (2, 4, 3, 0)]
+
+    def mm_inputs(i, x):
+        if videos[i] is None:
+            return {}
+        px = video_frames(videos[i], vc)[None]  # [1, F, 3, M, M], normalized under the video processor's steps
+        return {"pixel_values": px, "pixel_attention_mask": torch.ones(px.shape[:2] + px.shape[3:], dtype=torch.long)}
+
+    assert_top_one_agreement("smolvlm2 video", hf, hf16, outs, mm_inputs)
+    assert llm.engine.kv_manager.stats().blocks_used == 0
