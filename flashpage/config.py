@@ -3396,7 +3396,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
     ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Gemma 3's ``do_pan_and_scan``
     and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); Idefics3's /
-    SmolVLM's ``size`` / ``do_image_splitting`` (idefics3_config.with_processor_kwargs); a ConfigError names a key
+    SmolVLM's ``size`` / ``do_image_splitting`` and SmolVLM2's ``do_sample_frames`` / ``num_frames``
+    / ``fps`` (idefics3_config.with_processor_kwargs); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3468,7 +3469,9 @@ def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str
     the engine-wide ones are (``with_mm_processor_kwargs``, the same ConfigErrors), and a
     max_pixels above the engine's for a modality the request holds (``modalities``) is
     refused: the engine reserved the encoder's activation memory for its own bound
-    (QwenImageEncoder.activation_bytes), which rows from a larger image would pass."""
+    (QwenImageEncoder.activation_bytes), which rows from a larger image would pass.
+    SmolVLM2's do_sample_frames / num_frames / fps alone: None (its encoder's sample_videos
+    reads them where a request's videos come in)."""
     new = with_mm_processor_kwargs(mc, kwargs).vision
     old = mc.vision
     if new is old or new == old:
@@ -3477,6 +3480,13 @@ def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str
 
     if isinstance(new, Gemma3VisionConfig):  # pan-and-scan: more images, no bound to pass
         return new
+    from flashpage.models.idefics3_config import Idefics3VisionConfig
+
+    if isinstance(new, Idefics3VisionConfig) and isinstance(old, Idefics3VisionConfig) \
+            and replace(new, frame_sampling=old.frame_sampling) == old:
+        # SmolVLM2's frame sampling alone: the request's videos sampled before their text is
+        # written (Idefics3ImageEncoder.sample_videos); their frames preprocessed as the engine's
+        return None
     if not isinstance(new, QwenVisionConfig) or not isinstance(old, QwenVisionConfig):
         # InternVL's tiling bounds: read from the engine's config only (never ignored here)
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} per request: {mc.multimodal_architecture}'s "

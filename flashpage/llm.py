@@ -375,8 +375,8 @@ class LLM:
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
-        prompts: list[Prompt] = [self._chat_prompt(c, add_generation_prompt, tools, extra)  # type: ignore[arg-type]
-                                 for c in convs]
+        prompts: list[Prompt] = [self._chat_prompt(c, add_generation_prompt, tools, extra,  # type: ignore[arg-type]
+                                                   mm_processor_kwargs) for c in convs]
         if mm_processor_kwargs is not None:
             prompts = [{**(p if isinstance(p, dict) else {"prompt_token_ids": p}),
                         "mm_processor_kwargs": mm_processor_kwargs} for p in prompts]
@@ -384,9 +384,11 @@ class LLM:
                              priority=priority)
 
     def _chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> Prompt:
+                     tools: list[dict[str, Any]] | None, extra: dict[str, Any],
+                     mm_processor_kwargs: dict[str, Any] | None = None) -> Prompt:
         """One conversation's prompt: its ids, and with image parts (a model that takes
-        images) its images as multi_modal_data, each part the template's placeholder."""
+        images) its images as multi_modal_data, each part the template's placeholder (a
+        video's frames sampled first where the processor is asked to: SmolVLM2's)."""
         encoder = getattr(self.engine, "mm_encoder", None)
         if encoder is None:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
@@ -411,6 +413,9 @@ class LLM:
         data: dict[str, Any] = {"image": images} if images else {}
         if videos:
             data["video"] = videos
+            sample = getattr(encoder, "sample_videos", None)
+            if sample is not None:  # SmolVLM2's do_sample_frames, before the frames' text is written
+                data = sample(data, mm_processor_kwargs)
         expand = getattr(encoder, "expand_videos", None)
         if videos and expand is not None:
             # InternVL: a video's "FrameN: ..." text is written into the rendered template and

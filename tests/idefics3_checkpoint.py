@@ -2,7 +2,8 @@
 / SmolVLMForConditionalGeneration saved as fp32 safetensors, the image processor's
 preprocessor_config.json and a processor_config.json beside them, a byte-level BPE tokenizer
 (SmolLM2's kind, "\\n\\n" one token) with the processor's special tokens and SmolVLM's chat
-template), shared by the engine and inspect tests.
+template (SmolVLM2's, which writes <video> for a video part, with a video processor)), shared
+by the engine, server and inspect tests.
 
 The tower: SigLIP, 16 x 16 tiles in 2 x 2 patches (an 8 x 8 grid), 2 layers, pixel-shuffled
 by 2 to 16 rows a tile; the longest edge resized to 48, so an image is one tile (a square
@@ -37,7 +38,8 @@ _TEXT = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_si
 
 def build_tokenizer(path: Path, video: bool = False) -> None:
     """A byte-level BPE (GPT-2's byte alphabet) whose merges include "\\n\\n", with the
-    processor's special tokens added (``video``: SmolVLM2's <video> too)."""
+    processor's special tokens added (``video``: SmolVLM2's <video> too, and its chat
+    template: SmolVLMProcessor's DEFAULT_CHAT_TEMPLATE, whose video part is <video>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,6 +56,10 @@ def build_tokenizer(path: Path, video: bool = False) -> None:
                                    pad_token="<pad>")
     fast.add_special_tokens({"additional_special_tokens": SPECIAL + ["<video>"] * video})
     fast.chat_template = SMOLVLM_CHAT_TEMPLATE
+    if video:
+        from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+        fast.chat_template = DEFAULT_CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 

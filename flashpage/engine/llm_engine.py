@@ -838,8 +838,8 @@ class LLMEngine:
         ``multi_modal_data``: vLLM's {"image": image or [images]} for a model that takes
         images (LLaVA: engine/multimodal.py), one per ``<image>`` in the prompt;
         ``mm_processor_kwargs``: vLLM's per-request processor settings over the engine-wide
-        ones (Qwen2-VL's pixel bounds and fps, Gemma 3's pan-and-scan:
-        config.request_mm_processing)."""
+        ones (Qwen2-VL's pixel bounds and fps, Gemma 3's pan-and-scan, SmolVLM2's frame
+        sampling: config.request_mm_processing)."""
         self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -879,6 +879,9 @@ class LLMEngine:
                 # its frames' count writes the text: a video file decoded and sampled first
                 multi_modal_data = {**multi_modal_data, "video": decode_sources(
                     multi_modal_data["video"], self.config.media_policy)}
+                sample = getattr(self.mm_encoder, "sample_videos", None)
+                if sample is not None:  # SmolVLM2's do_sample_frames (the same picks again: none lost)
+                    multi_modal_data = sample(multi_modal_data, mm_processor_kwargs)
             tokenize: Callable[[str], list[int]] = self.tokenize if expand is None or multi_modal_data is None \
                 else (lambda s: self.tokenize(expand(s, multi_modal_data)))
             text, ids = prompt_text_and_ids(prompt, tokenize)

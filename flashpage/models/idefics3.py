@@ -40,7 +40,9 @@ the tokenizer's files (models/idefics3_config.py). Each tile's N rows are one
 MultiModalInput (the tiles of one image are apart in the prompt).
 
 SmolVLM2's videos (a ``<video>`` in a text prompt, each frame one tile and one input):
-models/smolvlm_video.py, through this encoder's ``expand_text`` and ``prepare``.
+models/smolvlm_video.py, through this encoder's ``sample_videos`` (do_sample_frames, where a
+request's videos come in: LLMEngine.add_request, LLM.chat, the server's chat), ``expand_text``
+and ``prepare``.
 
 Weights: the tower's under ``model.vision_model.``, the connector's under
 ``model.connector.`` (or either without ``model.``).
@@ -56,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flashpage.engine.multimodal import MultiModalInput
+from flashpage.engine.multimodal import MultiModalInput, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import (
     checked_tiles,
@@ -64,7 +66,11 @@ from flashpage.models.clip_image import (
     pil_to_uint8,
     tile_given_image,
 )
-from flashpage.models.idefics3_config import MAX_IMAGE_SIDE, Idefics3VisionConfig
+from flashpage.models.idefics3_config import (
+    MAX_IMAGE_SIDE,
+    Idefics3VisionConfig,
+    with_processor_kwargs,
+)
 from flashpage.models.internvl import pixel_shuffle
 from flashpage.models.llava import images_of
 from flashpage.models.pil_resample import pil_resize
@@ -328,6 +334,22 @@ class Idefics3ImageEncoder(nn.Module):
         return "<video>" if self.config.video_token_id is not None else None
 
     video_token_name = "<video>"
+
+    def sample_videos(self, data: Any, kwargs: Any = None) -> Any:
+        """multi_modal_data with each video's frames sampled where SmolVLM2's video
+        processor is asked to (do_sample_frames: its file, the engine's or the request's
+        mm_processor_kwargs ``kwargs``; models/smolvlm_video.sample_video), before the frames'
+        text is written; as given otherwise. A ValueError names what is wrong."""
+        vc = self.config
+        if not isinstance(data, dict) or "video" not in data or vc.video_token_id is None:
+            return data
+        from flashpage.models.smolvlm_video import sample_video
+
+        s = with_processor_kwargs(vc, kwargs).frame_sampling if isinstance(kwargs, dict) and kwargs \
+            else vc.frame_sampling
+        if not s.sample:
+            return data
+        return {**data, "video": [sample_video(v, s, i) for i, v in enumerate(video_items(data["video"]))]}
 
     def expand_text(self, text: str, data: Any) -> str:
         """A text prompt with multi_modal_data, before it is tokenized (LLMEngine.add_request):

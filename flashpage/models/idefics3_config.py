@@ -11,7 +11,8 @@ rescale, normalize), processor_config.json (image_seq_len) and the tokenizer's f
 ids of ``<fake_token_around_image>``, ``<global-img>``, ``<row_r_col_c>`` and of "\\n" /
 "\\n\\n" in its byte-level vocabulary: the prompt expansion works on ids). SmolVLM2's videos
 (models/smolvlm_video.py): the tokenizer's ``<video>`` and video_preprocessor_config.json
-(SmolVLMVideoProcessor: the frames' longest edge, mean / std, resample).
+(SmolVLMVideoProcessor: the frames' longest edge, mean / std, resample, and its frame
+sampling: do_sample_frames, num_frames / video_sampling.max_frames, fps).
 """
 
 from __future__ import annotations
@@ -34,6 +35,36 @@ _RESAMPLE = {1: "lanczos", 2: "bilinear", 3: "bicubic"}  # PIL's codes
 MAX_IMAGE_SIDE = 4096  # the processors' MAX_IMAGE_SIZE: a longer side is scaled below it
 # byte-level BPE's "\n" and "\n\n" (GPT-2's byte alphabet: SmolLM2's and Llama 3's tokenizers)
 _NL, _NL2 = "\u010a", "\u010a\u010a"
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """SmolVLMVideoProcessor's frame sampling (models/smolvlm_video.sample_video): with
+    ``sample`` (do_sample_frames), at most ``num_frames`` frames at ``fps`` a second of the
+    video; both are set whenever ``sample`` is."""
+
+    sample: bool = False
+    num_frames: int | None = None
+    fps: float | None = None
+
+
+def frame_sampling_of(d: dict[str, Any], where: str, base: FrameSampling) -> FrameSampling:
+    """``base`` with ``d``'s do_sample_frames / num_frames / fps over it (the video
+    processor's fields, or a processor call's kwargs); a ConfigError names a bad value, or
+    sampling asked without both numbers (transformers' sample_frames needs them)."""
+    sample = d.get("do_sample_frames", base.sample)
+    if not isinstance(sample, bool):
+        raise ConfigError(f"{where}: do_sample_frames must be true or false, got {sample!r}")
+    n = d.get("num_frames", base.num_frames)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ConfigError(f"{where}: num_frames must be an int >= 1, got {n!r}")
+    fps = d.get("fps", base.fps)
+    if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
+        raise ConfigError(f"{where}: fps must be a positive number, got {fps!r}")
+    if sample and (n is None or fps is None):
+        raise ConfigError(f"{where}: do_sample_frames needs num_frames (video_sampling max_frames) and fps, "
+                          f"got num_frames {n!r} and fps {fps!r}")
+    return FrameSampling(sample, n, None if fps is None else float(fps))
 
 
 @dataclass(frozen=True)
@@ -78,6 +109,7 @@ class Idefics3VisionConfig:
     video_token_id: int | None = None
     video_longest_edge: int = 4 * 364
     video_processing: ImageProcessing | None = None
+    frame_sampling: FrameSampling = FrameSampling()
 
     @property
     def patches_per_side(self) -> int:
@@ -150,14 +182,15 @@ def _pixel_steps(pc: dict[str, Any], path: str) -> tuple[float | None, tuple[flo
     return steps
 
 
-def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImageProcessing, int]:
+def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImageProcessing, int, FrameSampling]:
     """SmolVLMVideoProcessor's steps (video_preprocessor_config.json, else its class
     defaults): (rescale / normalize / resample, the longest edge frames are resized to before
-    the tile's square). Frames are taken as given: do_sample_frames is not read."""
+    the tile's square, its frame sampling: video_sampling's max_frames / fps over the
+    num_frames / fps fields, as its __init__ reads them; off by default)."""
     path = os.path.join(folder, "video_preprocessor_config.json") if folder else None
     half = (0.5, 0.5, 0.5)
     if path is None or not os.path.isfile(path):
-        return ImageProcessing(None, None, None, 1 / 255, half, half, "lanczos"), 4 * 364
+        return ImageProcessing(None, None, None, 1 / 255, half, half, "lanczos"), 4 * 364, FrameSampling()
     pc = {k: v for k, v in _json_object(path).items() if v is not None}
     kind = str(pc.get("video_processor_type", "SmolVLMVideoProcessor")).removesuffix("Fast")
     if kind != "SmolVLMVideoProcessor":
@@ -173,7 +206,11 @@ def _video_processing(folder: str | None, tile: int, arch: str) -> tuple[ImagePr
     longest = _edge({"size": size if size is not None else pc.get("size", {"longest_edge": 4 * 364})},
                     "size", 4 * 364, path)
     rescale, mean, std, mode, rgb = _pixel_steps(pc, path)
-    return ImageProcessing(None, None, None, rescale, mean, std, mode, False, rgb), longest
+    fields: dict[str, Any] = {k: pc[k] for k in ("do_sample_frames", "num_frames", "fps") if k in pc}
+    if isinstance(sampling, dict):
+        fields.update({k: sampling[s] for k, s in (("num_frames", "max_frames"), ("fps", "fps")) if s in sampling})
+    return (ImageProcessing(None, None, None, rescale, mean, std, mode, False, rgb), longest,
+            frame_sampling_of(fields, path, FrameSampling()))
 
 
 def _seq_len(folder: str | None) -> tuple[int | None, str | None]:
@@ -239,21 +276,26 @@ def idefics3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
     if arch == "SmolVLMForConditionalGeneration":
         vid = _vocab(folder)[0].get("<video>")
         if vid is not None:
-            vproc, vlong = _video_processing(folder, tile, arch)
-            video = dict(video_token_id=vid, video_longest_edge=vlong, video_processing=vproc)
+            vproc, vlong, sampling = _video_processing(folder, tile, arch)
+            video = dict(video_token_id=vid, video_longest_edge=vlong, video_processing=vproc,
+                         frame_sampling=sampling)
     return Idefics3VisionConfig(**{**cfg.__dict__, **_token_ids(folder, cfg.grid_side), **video})
 
 
 def with_processor_kwargs(vc: Idefics3VisionConfig, kwargs: dict[str, Any]) -> Idefics3VisionConfig:
-    """vLLM's ``mm_processor_kwargs`` (engine-wide) over the image processor's file, as
+    """vLLM's ``mm_processor_kwargs`` over the image processor's file, as
     Idefics3Processor's call reads them: ``size`` {"longest_edge": n} (the image's longest
     edge before its tiles are cut), ``do_image_splitting`` and ``max_image_size`` (only the
-    tower's own tile); a ConfigError names a key or value it does not take."""
+    tower's own tile), engine-wide; SmolVLM2's video processor's ``do_sample_frames`` /
+    ``num_frames`` / ``fps`` (its frame sampling), per request too
+    (config.request_mm_processing); a ConfigError names a key or value it does not take."""
     where = "mm_processor_kwargs"
-    unknown = sorted(set(kwargs) - {"size", "do_image_splitting", "max_image_size"})
+    video = ("do_sample_frames", "num_frames", "fps") if vc.video_token_id is not None else ()
+    unknown = sorted(set(kwargs) - {"size", "do_image_splitting", "max_image_size", *video})
     if unknown:
         raise ConfigError(f"{where} {unknown}: {vc.architecture}'s image processor reads size, do_image_splitting "
-                          "and max_image_size")
+                          "and max_image_size" + (" (its video processor do_sample_frames, num_frames and fps)"
+                                                  if video else ""))
     longest = _edge(kwargs, "size", vc.longest_edge, where)
     if "max_image_size" in kwargs and _edge(kwargs, "max_image_size", vc.tile, where) != vc.tile:
         raise ConfigError(f"{where} max_image_size {kwargs['max_image_size']!r}: tiles other than the vision "
@@ -265,4 +307,5 @@ def with_processor_kwargs(vc: Idefics3VisionConfig, kwargs: dict[str, Any]) -> I
     if split and side > vc.row_col_side:
         raise ConfigError(f"{where} size longest_edge {longest}: grids of up to {side} x {side} tiles, but "
                           f"the tokenizer's <row_r_col_c> go to {vc.row_col_side}")
-    return replace(vc, longest_edge=longest, splitting=split)
+    sampling = frame_sampling_of(kwargs, where, vc.frame_sampling)
+    return replace(vc, longest_edge=longest, splitting=split, frame_sampling=sampling)

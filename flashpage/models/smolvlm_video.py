@@ -22,9 +22,21 @@ Frames (``video_frames``, SmolVLMVideoProcessor's resize): the longest edge resi
 video processor's ``longest_edge`` (an odd short side made even), then to the tile's square
 (no splitting), PIL's filter (LANCZOS by default; transformers resizes with torchvision, a
 pixel or two apart); normalized under the video processor's mean and std (on the host, as
-float pixel values, where they differ from the image processor's). Frames are taken as
-given: the processor's frame sampling (do_sample_frames) is not run; engine/video_io.py
-samples a file's frames.
+float pixel values, where they differ from the image processor's).
+
+Frame sampling (``sample_video``; SmolVLMVideoProcessor's do_sample_frames, asked by its
+video_preprocessor_config.json or by mm_processor_kwargs, engine-wide or a request's; off by
+default, frames then taken as given): of a video of total_num_frames frames (its metadata's,
+else its frame count) at the metadata's fps lasting its duration (both needed, as
+transformers' sample_frames needs them), round(fps' x duration) frames (fps' the sampling
+rate), at most num_frames, at least one, at linspace(start, end) floored and deduplicated:
+0 .. total - 1, or 1 s in from each end (int(fps) .. int(total - fps)) where the duration
+less 2 s is above num_frames x fps'. The picks become the metadata's frames_indices, so
+the frames' times are transformers' (frame k at k / fps). The picks are frame numbers: a
+video given with frames_indices (a file engine/video_io.py sampled already) gives the frames
+it holds and is refused naming those it lacks (transformers indexes the frames it is given,
+the same where they are the whole video). Sampling a sampled video again picks the same
+frames.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from flashpage.models.pil_resample import pil_resize
 
 if TYPE_CHECKING:
     from flashpage.models.idefics3 import Idefics3ImageEncoder
+    from flashpage.models.idefics3_config import FrameSampling
 
 DEFAULT_FPS = 24.0  # transformers' fps for frames given without metadata
 FAKE, GLOBAL, IMAGE = "<fake_token_around_image>", "<global-img>", "<image>"
@@ -115,6 +128,54 @@ def frame_times(video: Any, frames: int, i: int) -> tuple[list[float], int]:
     if not _number(dur) or not dur >= 0:
         raise ValueError(f"video {i}: metadata duration must be a number of seconds >= 0, got {dur!r}")
     return times, int(dur)
+
+
+def sample_indices(total: int, fps: float, duration: float, s: FrameSampling) -> list[int]:
+    """The frame numbers do_sample_frames picks of a video of ``total`` frames at ``fps``
+    lasting ``duration`` seconds (module docstring)."""
+    assert s.num_frames is not None and s.fps is not None
+    n = max(1, min(int(round(s.fps * duration)), s.num_frames))
+    start, end = 0, total - 1
+    if duration - 2 > s.num_frames * s.fps:  # a second skipped at each end
+        start, end = int(fps), min(int(total - fps), total - 1)
+    if start >= end:
+        start, end = 0, total - 1
+    return sorted({int(k) for k in np.linspace(start, end, n, dtype=np.int64)})
+
+
+def sample_video(video: Any, s: FrameSampling, i: int) -> Any:
+    """Video ``i`` with its frames sampled as ``s`` says (module docstring): a (frames uint8
+    (T, H, W, 3), metadata) pair, its frames_indices the picks; the video itself without
+    sampling. A ValueError names a video without fps or duration, bad metadata, or picks
+    it does not hold."""
+    from flashpage.models.qwen2_vl_video import read_video
+
+    if not s.sample:
+        return video
+    frames, _ = read_video(video, i)
+    meta = video[1] if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict) else {}
+    lacking = [k for k in ("fps", "duration") if meta.get(k) is None]
+    if lacking:
+        raise ValueError(f"video {i}: do_sample_frames picks frames by the video's fps and duration, but its "
+                         f"metadata gives no {' or '.join(lacking)}: give (frames, {{'fps': ..., 'duration': ...}}), "
+                         "or do_sample_frames false")
+    frame_times(video, int(frames.shape[0]), i)  # fps, duration and frames_indices checked
+    idx = meta.get("frames_indices")
+    idx = list(range(frames.shape[0])) if idx is None else list(idx.tolist() if hasattr(idx, "tolist") else idx)
+    total = meta.get("total_num_frames", frames.shape[0])
+    if not _number(total) or int(total) != total or not total > max(idx):
+        raise ValueError(f"video {i}: metadata total_num_frames must be a whole number above its frame numbers "
+                         f"(frames_indices, up to {max(idx)}), got {total!r}")
+    picks = sample_indices(int(total), float(meta["fps"]), float(meta["duration"]), s)
+    held = {int(k): j for j, k in enumerate(idx)}
+    missing = [k for k in picks if k not in held]
+    if missing:
+        raise ValueError(f"video {i}: do_sample_frames picks frame(s) {missing[:8]}{' ...' * (len(missing) > 8)} of "
+                         f"its {int(total)}, which it does not hold (metadata frames_indices: a sample already); "
+                         "give every frame (a file read with media_io_kwargs {\"video\": {\"num_frames\": -1}}), "
+                         "or do_sample_frames false")
+    kept = frames[[held[k] for k in picks]].permute(0, 2, 3, 1)
+    return kept, {**meta, "frames_indices": picks, "total_num_frames": int(total)}
 
 
 def video_text(vc: Idefics3VisionConfig, times: list[float], duration: int) -> str:

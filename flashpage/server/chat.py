@@ -267,4 +267,10 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
     data: dict[str, Any] = {"image": pixels} if pixels else {}
     if videos:
         data["video"] = videos
+        sample = getattr(encoder, "sample_videos", None)
+        if sample is not None:  # SmolVLM2's do_sample_frames, before the frames' text is written
+            try:
+                data = sample(data, req.mm_processor_kwargs)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
     return data

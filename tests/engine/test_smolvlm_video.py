@@ -8,8 +8,10 @@ the images', and its metadata as transformers batches it), and greedy tokens equ
 SmolVLMForConditionalGeneration.generate, for frames without metadata (fps 24), with vLLM's
 metadata (frames_indices / fps / duration), two videos, and an image beside a video; a
 frame's pixels are the PIL image processor's one tile; a video file's bytes equal its decoded
-(frames, metadata) pair; LLM.chat's video part; bad
-video requests are refused by name beside a good one, leaking nothing. fp32, CPU."""
+(frames, metadata) pair; LLM.chat's video part; frame sampling (do_sample_frames, per
+request or by the video processor's file) picks transformers' frames and timestamps; bad
+video requests are refused by name beside a good one, leaking nothing. fp32, CPU. On a GPU:
+bf16 with CUDA graphs against transformers' bf16 and fp32 on the same frames."""
 
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ import pytest
 import torch
 from PIL import Image
 
-from flashpage import SamplingParams
+from flashpage import LLM, SamplingParams
 from flashpage.models.smolvlm_video import (
     expand_video_text,
     frame_times,
     number_words,
     video_frames,
 )
+from tests.conftest import assert_top_one_agreement
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.idefics3_checkpoint import (
@@ -73,16 +76,32 @@ def _hf(path, hf, vc, text: str, videos: list, metadata: list | None = None, ima
         **call) -> tuple[list[int], list[int]]:
     """(SmolVLMProcessor's ids for ``text``, transformers' greedy tokens on them): its video
     processor a stand-in giving our frames and transformers' own batched metadata (its
-    defaults where none is given); an image's tiles from its image processor, in prompt order."""
+    defaults where none is given), the frames sampled first by transformers' own sampling
+    where ``call`` asks (do_sample_frames, num_frames, fps: BaseVideoProcessor's
+    _decode_and_sample_videos with SmolVLMVideoProcessor.sample_frames); an image's tiles
+    from its image processor, in prompt order."""
+    import types
+    from functools import partial
+
     from transformers import BatchFeature
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
     from transformers.video_utils import make_batched_metadata
 
-    frames = [video_frames(v, vc) for v in videos]
-    assert all(f.dtype == torch.float32 for f in frames)  # normalized under the video processor's steps
+    frames: list[torch.Tensor] = []
     proc = _hf_processor(path)
 
     def stand_in(videos, **kw):
-        meta = make_batched_metadata(list(videos), video_metadata=kw.get("video_metadata"))
+        videos = list(videos)
+        meta = make_batched_metadata(videos, video_metadata=kw.get("video_metadata"))
+        if kw.get("do_sample_frames"):
+            pick = partial(SmolVLMVideoProcessor.sample_frames, types.SimpleNamespace(), num_frames=kw["num_frames"],
+                           fps=kw["fps"])
+            videos, meta = BaseVideoProcessor._decode_and_sample_videos(
+                types.SimpleNamespace(), videos, video_metadata=kw.get("video_metadata"), do_sample_frames=True,
+                sample_indices_fn=pick)
+        frames[:] = [video_frames(np.asarray(v), vc) for v in videos]
+        assert all(f.dtype == torch.float32 for f in frames)  # normalized under the video processor's steps
         return BatchFeature({"pixel_values": torch.stack(frames), "video_metadata": meta})
 
     proc.video_processor = stand_in
@@ -244,7 +263,7 @@ def test_chat_video_part(ckpt):
     path, hf = ckpt
     llm = _llm(path)
     tok = llm.get_tokenizer()
-    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE  # the checkpoint's (tests/idefics3_checkpoint.py)
     vc = llm.engine.mm_encoder.config
     video = _video(2, 30, 18, seed=10)
     rendered = tok.apply_chat_template(
@@ -257,3 +276,107 @@ def test_chat_video_part(ckpt):
     ids, want = _hf(path, hf, vc, rendered, [video], add_special_tokens=False)
     assert out.prompt_token_ids == ids
     assert _tokens([out]) == [want]
+
+
+def test_frame_sampling_equals_transformers(ckpt, tmp_path):
+    """do_sample_frames (SmolVLMVideoProcessor's, models/smolvlm_video.sample_video) asked per
+    request: transformers' picks (its own sample_frames on the same metadata: 4 of 12 frames;
+    3 of 40, a second skipped at each end) and timestamps, so its processor's ids and its
+    greedy tokens; a metadata without total_num_frames counts the frames given. Asked by the
+    video processor's file (video_sampling's max_frames / fps): the same as per request, and
+    a request's do_sample_frames false takes the frames as given. Refused by name: no fps /
+    duration, picks a sampled video lacks, sampling without num_frames / fps, a bad count."""
+    import json
+    import shutil
+
+    path, hf = ckpt
+    llm = _llm(path)
+    vc = llm.engine.mm_encoder.config
+    v12, v40 = _video(12, seed=20), _video(40, 8, 12, seed=21)
+    m12 = {"fps": 4.0, "duration": 3.0, "total_num_frames": 12}
+    m40 = {"fps": 4.0, "duration": 10.0, "total_num_frames": 40}
+    k12 = {"do_sample_frames": True, "num_frames": 4, "fps": 2}
+    k40 = {"do_sample_frames": True, "num_frames": 3, "fps": 0.5}
+    text = "the cat <video> runs fast"
+    want = [_hf(path, hf, vc, text, [v12], [m12], **k12), _hf(path, hf, vc, text, [v40], [m40], **k40)]
+    decoded = [llm.get_tokenizer().decode(ids) for ids, _ in want]
+    assert "series of four frames from a 0:00:03" in decoded[0] and "series of three frames from a 0:00:10" in decoded[1]
+    assert [x for x in ("00:01", "00:05", "00:09") if f"Frame from {x}:" in decoded[1]] == ["00:01", "00:05", "00:09"]
+    bare = {k: v for k, v in m40.items() if k != "total_num_frames"}
+    prompts = [{"prompt": text, "multi_modal_data": {"video": (v12, m12)}, "mm_processor_kwargs": k12},
+               {"prompt": text, "multi_modal_data": {"video": (v40, m40)}, "mm_processor_kwargs": k40},
+               {"prompt": text, "multi_modal_data": {"video": (v40, bare)}, "mm_processor_kwargs": k40}]
+    bad = [({"video": v12}, k12, "video 0: do_sample_frames picks frames by the video's fps and duration, but its "
+            "metadata gives no fps or duration"),
+           ({"video": (v12[:4], {**m12, "frames_indices": [0, 4, 8, 11]})}, k12,
+            "video 0: do_sample_frames picks frame(s) [3, 7] of its 12, which it does not hold"),
+           ({"video": (v12, m12)}, {"do_sample_frames": True}, "do_sample_frames needs num_frames (video_sampling "
+            "max_frames) and fps, got num_frames None and fps None"),
+           ({"video": (v12, m12)}, {**k12, "num_frames": 0}, "num_frames must be an int >= 1, got 0")]
+    outs = llm.generate(prompts + [{"prompt": text, "multi_modal_data": d, "mm_processor_kwargs": k}
+                                   for d, k, _ in bad], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs[:3]] == [want[0][0], want[1][0], want[1][0]]
+    assert _tokens(outs[:3]) == [want[0][1], want[1][1], want[1][1]]
+    for out, (_, _, needle) in zip(outs[3:], bad, strict=True):
+        assert out.error is not None and needle in out.error, out.error
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    # the video processor's file asks: the same picks without a request's kwargs
+    sampled = tmp_path / "sampled"
+    shutil.copytree(path, sampled)
+    cfg = json.loads((sampled / "video_preprocessor_config.json").read_text())
+    cfg.update(do_sample_frames=True, video_sampling={"fps": 2, "max_frames": 4, "video_size": {"longest_edge": 32}})
+    (sampled / "video_preprocessor_config.json").write_text(json.dumps(cfg))
+    outs = _llm(sampled).generate([{"prompt": text, "multi_modal_data": {"video": (v12, m12)}},
+                                   {"prompt": text, "multi_modal_data": {"video": (v12, m12)},
+                                    "mm_processor_kwargs": {"do_sample_frames": False}}], GREEDY, use_tqdm=False)
+    as_given = llm.generate({"prompt": text, "multi_modal_data": {"video": (v12, m12)}}, GREEDY, use_tqdm=False)
+    assert outs[0].prompt_token_ids == want[0][0] and _tokens(outs[:1]) == [want[0][1]]
+    assert outs[1].prompt_token_ids == as_given[0].prompt_token_ids != want[0][0]
+    assert _tokens(outs[1:]) == _tokens(as_given)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smolvlm_video_on_the_gpu_bf16(tmp_path, monkeypatch):
+    """bf16 on CUDA (triton backend, CUDA graphs for decodes): videos (without metadata, with
+    vLLM's, of 2 to 4 frames) beside a text prompt; tokens equal an eager engine's;
+    teacher-forced on our tokens, our token is transformers' fp32 top one about as often as
+    its own bf16 top token is (within 3 points, at least 85%), on the same frames. Our
+    greedy runs stop at a generated <image> or <fake_token_around_image> (the tiny
+    vocabulary has them), which is compared but not fed back: transformers would take a
+    fed <image> for a placeholder without its frame."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    path = build_tiny_idefics3(tmp_path / "sv64", smolvlm=True,
+                               text=dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),  # head_dim 64
+                               video={"size": {"longest_edge": 32}, "image_mean": VIDEO_MEAN,
+                                      "image_std": VIDEO_STD})
+    hf = hf_idefics3(path, device="cuda")
+    hf16 = hf_idefics3(path, dtype=torch.bfloat16, device="cuda")
+    meta = {"fps": 2.0, "frames_indices": [0, 50, 130, 250], "duration": 130.5, "total_num_frames": 261}
+    videos = [_video(2, seed=60), (_video(4, 30, 18, seed=61), meta), _video(3, 16, 40, seed=62), None]
+    texts = ["the cat <video> runs fast", "watch <video> now", "<video> what happens next", "the quick brown fox"]
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                  max_num_batched_tokens=128, **kw)
+        vc = llm.engine.mm_encoder.config
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                stop_token_ids=[vc.image_token_id, vc.fake_token_id])
+        prompts = [{"prompt": t, **({"multi_modal_data": {"video": v}} if v is not None else {})}
+                   for t, v in zip(texts, videos, strict=True)]
+        return llm, llm.generate(prompts, params, use_tqdm=False)
+
+    llm, outs = run()
+    assert llm.engine.runner.graphs is not None
+    assert _tokens(outs) == _tokens(run(enforce_eager=True)[1])
+    vc = llm.engine.mm_encoder.config
+    assert [o.prompt_token_ids.count(vc.image_token_id) for o in outs] == [ROWS * n for n in (2, 4, 3, 0)]
+
+    def mm_inputs(i, x):
+        if videos[i] is None:
+            return {}
+        px = video_frames(videos[i], vc)[None]  # [1, F, 3, M, M], normalized under the video processor's steps
+        return {"pixel_values": px, "pixel_attention_mask": torch.ones(px.shape[:2] + px.shape[3:], dtype=torch.long)}
+
+    assert_top_one_agreement("smolvlm2 video", hf, hf16, outs, mm_inputs)
+    assert llm.engine.kv_manager.stats().blocks_used == 0

@@ -65,13 +65,16 @@ def chat(server, messages, **kw) -> httpx.Response:
 
 
 def _msg(text: str, *images) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    """One user message: each image an image_url part (a data URL), each dict a content part
+    as given (a video_url), then the text."""
+    parts = [im if isinstance(im, dict) else {"type": "image_url", "image_url": {"url": data_url(im)}}
+             for im in images]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 def assert_served_as(model_dir, engine_kw: dict, cases, wants, too_long, max_model_len: int) -> None:
-    """A live server over ``model_dir`` answers each case's images (with "the quick brown
-    fox") as ``wants`` (LLM.generate's outputs), its usage their expanded prompt lengths; the
+    """A live server over ``model_dir`` answers each case's images (or content parts: _msg)
+    (with "the quick brown fox") as ``wants`` (LLM.generate's outputs), its usage their expanded prompt lengths; the
     images ``too_long`` make a prompt refused (400) by its length before it runs; no KV
     block stays held."""
     with live_server(model_dir, engine_kw=engine_kw) as server:
