@@ -47,6 +47,8 @@ SETS = {
 BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}
 # the same with balanced_grid: every program the same number of items (session 11, not yet timed)
 BF16_FORMS.update({f"P{p} s{s} bal": {"programs_per_sm": p, "stages": s, "balance": True} for p, s in ((3, 2), (2, 2))})
+# the engine form with each program's first length and block ids in one round trip (session 37)
+BF16_FORMS["P2 s2 bal first"] = {"programs_per_sm": 2, "stages": 2, "balance": True, "first_together": True}
 SETS["bf16"] = BF16_FORMS
 
 

@@ -192,15 +192,17 @@ def _attend16(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, sm_scale_log2, MAS
     return m_new, l4, acc
 
 
-@gluon.jit(do_not_specialize=["num_items"])
+@gluon.jit(do_not_specialize=["num_items", "bt_last_col"])
 def _paged_decode_gluon16_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
     sm_scale_log2,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     num_items,  # batch * HKV
+    bt_last_col,  # block_tables.shape[1] - 1 (>= 0 where FIRST_TOGETHER)
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 8)
     S: gl.constexpr,  # stages: tiles in the ring (S - 1 in flight while one is computed)
+    FIRST_TOGETHER: gl.constexpr = False,  # the first item's length and block ids in one round trip
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -215,10 +217,35 @@ def _paged_decode_gluon16_kernel(
 
     # The producer cursor at the program's first item with a key; its first S - 1 tiles in
     # flight (across items where they are short).
-    p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
-                                                        block_tables_ptr, stride_btb)
+    if FIRST_TOGETHER:
+        # The first item's length and its first tile's 4 block ids requested together (the
+        # ids clamped to the table's width, taken only up to its last page): the first TMA
+        # goes out one DRAM round trip after the start instead of two (length, then ids).
+        row0 = block_tables_ptr + (pid // HKV).to(gl.int64) * stride_btb  # pid < num_items
+        seq0 = gl.load(seq_lens_ptr + pid // HKV)
+        c0 = gl.load(row0)
+        c1 = gl.load(row0 + gl.minimum(bt_last_col, 1))
+        c2 = gl.load(row0 + gl.minimum(bt_last_col, 2))
+        c3 = gl.load(row0 + gl.minimum(bt_last_col, 3))
+        if seq0 > 0:
+            p_item = pid
+            p_nt = gl.cdiv(seq0, _BN)
+            p_bt_row = row0
+            p_last_page = (seq0 - 1) // _PG
+            p_col = (pid % HKV) * _D
+            b0 = c0
+            b1 = gl.where(p_last_page >= 1, c1, b0)
+            b2 = gl.where(p_last_page >= 2, c2, b1)
+            b3 = gl.where(p_last_page >= 3, c3, b2)
+        else:  # a padding row first: the cursor's own walk
+            p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid + nprog, nprog, num_items, HKV, seq_lens_ptr,
+                                                                block_tables_ptr, stride_btb)
+            b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
+    else:
+        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
+                                                            block_tables_ptr, stride_btb)
+        b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
     p_tile = 0
-    b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
     for t in gl.static_range(S - 1):
         b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce16(
             k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
@@ -346,9 +373,12 @@ def engine_form(num_items: int, num_sms: int) -> dict:
     4096, 64 x 4096, 128 x 2048, 128 x 8192, 256 x 1024: 2 x 2 balanced 1.013 / 1.000 / 0.987 /
     0.993 / 0.985, 2 x 2 1.011 / 0.986 / 0.995 / 0.986 / 0.987, 3 x 2 (run 86's choice at 3 items an
     SM) 1.010 / 0.967 / 0.984 / 0.968 / 0.969; 256 ragged 101-2048: 253.7 / 251.9 / 251.1 us (3 x 2
-    ahead by 1%). ``num_sms`` stays in the signature: the form is per GPU, not per batch, here."""
+    ahead by 1%). ``num_sms`` stays in the signature: the form is per GPU, not per batch, here.
+    ``first_together`` since run 256 (9 rounds in turn, x cuDNN with / without it: 1.000 / 0.998,
+    0.992 / 0.991, 0.990 / 0.985, 0.986 / 0.986, 0.988 / 0.987 at the five shapes above; never
+    behind)."""
     del num_items, num_sms
-    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2, "balance": True}
+    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2, "balance": True, "first_together": True}
 
 
 @functools.cache
@@ -370,14 +400,16 @@ def balanced_grid(num_items: int, programs: int) -> int:
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
-            max_regs_cap: int | None = None, balance: bool = False):
+            max_regs_cap: int | None = None, balance: bool = False, first_together: bool = False):
     """paged_decode_gluon_bf16 with its knobs: ``programs_per_sm`` x ``stages`` must fit in
     shared memory (``fits``: 3 x 2, 2 x 3, 1 x 2-6, ...); ``programs`` that many programs
     instead (tests: several items a program); ``max_regs_cap`` None for ``max_regs(programs_per_sm)``;
-    ``balance``: ``balanced_grid``'s program count (every program the same number of items)."""
+    ``balance``: ``balanced_grid``'s program count (every program the same number of items);
+    ``first_together``: each program's first length and block ids loaded in one round trip
+    (FIRST_TOGETHER)."""
     launch = plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
                   variant=variant, programs_per_sm=programs_per_sm, stages=stages, programs=programs,
-                  max_regs_cap=max_regs_cap, balance=balance)
+                  max_regs_cap=max_regs_cap, balance=balance, first_together=first_together)
     out = torch.empty_like(q) if out is None else out
     launch(q, key_cache, value_cache, out)
     return out
@@ -385,7 +417,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
 
 def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
          variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
-         max_regs_cap: int | None = None, balance: bool = False, descriptors: dict | None = None):
+         max_regs_cap: int | None = None, balance: bool = False, descriptors: dict | None = None,
+         first_together: bool = False):
     """_launch's checks and choices once -> launch(q, key_cache, value_cache, out) for tensors
     of the same geometry over the planned tables and lengths (paged_decode.DecodePlan holds
     callers to it). Each cache's TMA descriptor is made once, kept in ``descriptors`` (a
@@ -410,7 +443,9 @@ def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, ou
                                               else q.device.index)
     regs = max_regs_cap or max_regs(programs_per_sm)
     grid = (balanced_grid(num_items, programs) if balance else min(num_items, max(1, programs)),)
-    consts = dict(HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages)
+    bt_last_col = block_tables.shape[1] - 1
+    consts = dict(HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages,
+                  FIRST_TOGETHER=first_together and bt_last_col >= 0)
     options = dict(num_warps=NUM_WARPS, **({"maxnreg": regs} if regs else {}))
     scale2 = sm_scale * _LOG2E
     descs = {} if descriptors is None else descriptors
@@ -419,7 +454,7 @@ def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, ou
     def launch(q, kc, vc, out):
         args = (q, descriptor(descs, "g16", kc, _cache_descriptor), descriptor(descs, "g16", vc, _cache_descriptor),
                 block_tables, seq_lens, out, scale2, q.stride(0), q.stride(1), block_tables.stride(0),
-                out.stride(0), out.stride(1), num_items)
+                out.stride(0), out.stride(1), num_items, bt_last_col)
         with cached_tma_maps():
             if bound:
                 bound[0](args)

@@ -34,7 +34,8 @@ hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_per_sm: int = 3):
+def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_per_sm: int = 3,
+                 first_together: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (q, caches and out in ``dtype``;
     pointers and the strides that are multiples of 16 there marked so; 8 KV heads; the register
     cap ``_launch`` passes for ``programs_per_sm``)."""
@@ -45,7 +46,7 @@ def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_
     from flashpage.kernels import paged_decode_gluon_bf16 as pg
 
     fn = pg._paged_decode_gluon16_kernel
-    consts = {"GROUP": group, "S": stages, "HKV": 8}
+    consts = {"GROUP": group, "S": stages, "HKV": 8, "FIRST_TOGETHER": first_together}
     desc = f"tensordesc<{dtype}[2, {pg.PAGE}, {pg.HALF}],{pg._TMA_SMEM.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": f"*{dtype}", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
@@ -65,6 +66,7 @@ SM90_FORMS: dict[str, dict] = {
     "bf16_p3_s2": {}, "fp16_p3_s2": {"dtype": "fp16"}, "bf16_p2_s3": {"programs_per_sm": 2, "stages": 3},
     "bf16_p1_s6": {"programs_per_sm": 1, "stages": 6}, "bf16_p3_s2_g1": {"group": 1},
     "bf16_p3_s2_g8": {"group": 8},
+    "bf16_p2_s2_first": {"programs_per_sm": 2, "first_together": True},
 }
 
 
@@ -228,7 +230,8 @@ def test_gluon_bf16_switch_and_engine_form(monkeypatch):
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
     assert not envs.decode_gluon_bf16()
     assert engine_form(2048, 132) == engine_form(256, 132) == {"variant": "keys_m", "programs_per_sm": 2,
-                                                               "stages": 2, "balance": True}
+                                                               "stages": 2, "balance": True,
+                                                               "first_together": True}
     for items in (136, 256, 396, 2048):
         form = engine_form(items, 132)
         assert fits(form["programs_per_sm"], form["stages"])
@@ -244,12 +247,15 @@ CASES = [
 FORMS = {
     "p3_s2": {}, "p2_s3": {"programs_per_sm": 2, "stages": 3}, "p1_s6": {"programs_per_sm": 1, "stages": 6},
     "p2_s2": {"programs_per_sm": 2, "stages": 2},
-    "p2_s2_bal": {"programs_per_sm": 2, "stages": 2, "balance": True},  # engine_form
+    "p2_s2_bal": {"programs_per_sm": 2, "stages": 2, "balance": True},
+    # engine_form: the first item's length and block ids in one round trip
+    "p2_s2_bal_first": {"programs_per_sm": 2, "stages": 2, "balance": True, "first_together": True},
     "p3_s2_bal": {"balance": True},  # balanced_grid: fewer programs, the same item count each
     # a few programs, many items each: tiles in flight across item boundaries, items shorter than
     # the tiles in flight, the ring wrapping many times
     "p5_s2": {"programs": 5}, "p7_s3": {"programs": 7, "programs_per_sm": 2, "stages": 3},
     "p3_s4": {"programs": 3, "programs_per_sm": 1, "stages": 4}, "p1_s2": {"programs": 1},
+    "p5_s2_first": {"programs": 5, "first_together": True},
 }
 
 
@@ -331,7 +337,7 @@ def test_gluon_bf16_groups(form, group):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form", ["p3_s2", "p2_s3", "p5_s2", "p7_s3", "p1_s2"])
+@pytest.mark.parametrize("form", ["p3_s2", "p2_s3", "p5_s2", "p7_s3", "p1_s2", "p5_s2_first", "p2_s2_bal_first"])
 def test_gluon_bf16_padding_rows(form):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference; then batches of
@@ -346,7 +352,7 @@ def test_gluon_bf16_padding_rows(form):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form", ["p3_s2", "p2_s2"])
+@pytest.mark.parametrize("form", ["p3_s2", "p2_s2", "p2_s2_bal_first"])
 def test_gluon_bf16_cuda_graph(form):
     """Captured once, replayed with new queries and lengths (descriptors are kernel parameters:
     the caches must stay where they were), then again with a padding row (seq_len 0: zeros)."""
@@ -389,8 +395,8 @@ def test_paged_decode_routes_bf16_to_gluon(batch, dtype, monkeypatch):
                                            programs_per_sm=cfg.programs_per_sm) == 1
     out = paged_decode(q, kc, vc, tables, seq_lens, out=torch.full_like(q, float("nan")))
     assert len(calls) == 1
-    assert {k: calls[0][k] for k in ("programs_per_sm", "stages", "balance")} == {"programs_per_sm": 2, "stages": 2,
-                                                                                  "balance": True}
+    assert {k: calls[0][k] for k in ("programs_per_sm", "stages", "balance", "first_together")} == {
+        "programs_per_sm": 2, "stages": 2, "balance": True, "first_together": True}
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
     triton_out = paged_decode(q, kc, vc, tables, seq_lens)
     assert len(calls) == 1, "the Gluon kernel ran with the switch off"
