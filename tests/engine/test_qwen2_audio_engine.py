@@ -100,6 +100,10 @@ def test_audio_prompts_equal_transformers_whole_and_chunked(ckpt):
     other = llm.generate({"prompt": cases[0][0], "multi_modal_data": {"audio": tone(1.3, 9)}}, GREEDY,
                          use_tqdm=False)
     assert _tokens(other) != [want[0][1]]  # the audio's rows steer the tokens
+    # ids with each audio's run written out already (the processor's) are kept as they are
+    again = llm.generate({"prompt_token_ids": want[1][0], "multi_modal_data": prompts[1]["multi_modal_data"]},
+                         GREEDY, use_tqdm=False)[0]
+    assert again.prompt_token_ids == want[1][0] and _tokens([again]) == [want[1][1]]
     chunked = _llm(path, max_num_batched_tokens=16)
     enc = chunked.engine.mm_encoder
     encoded: list[int] = []
@@ -169,12 +173,16 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(ckpt, tiny_checkpoint
         ([a, a], f"1 audio token(s) (<|AUDIO|>, id {tok}) but 2 audio(s) were given"),
         ([a, a, a], "3 audio item(s) in one prompt, but limit_mm_per_prompt allows 2"),
     ]
+    runs = [t for t in ids if t != tok]
+    runs[2:2] = [tok] * 3  # a run of 3 for an audio of 12 tokens: neither one token nor its count
     prompts = [{"prompt": one, "multi_modal_data": {"audio": a}}]
     prompts += [{"prompt": one, "multi_modal_data": {"audio": x}} for x, _ in bad]
     prompts += [{"prompt": one}, {"prompt_token_ids": ids, "multi_modal_data": {"image": a}},
+                {"prompt_token_ids": runs, "multi_modal_data": {"audio": a}},
                 {"prompt": one, "multi_modal_data": {"audio": tone(7.5, 2)}}]
     needles = [n for _, n in bad] + [f"the prompt has audio tokens (<|AUDIO|>, id {tok}) but no audio was given",
                                      "multi_modal_data ['image']: this model takes \"audio\" only",
+                                     f"the prompt has 3 audio token(s) (<|AUDIO|>, id {tok}) but 1 audio(s)",
                                      "max_model_len is 200"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for out, needle in zip(outs[1:], needles, strict=True):
@@ -220,6 +228,25 @@ def test_chat_with_input_audio_and_audio_url(ckpt, tmp_path):
     with pytest.raises(ValueError, match="file:// URLs are read only under allowed_local_media_path"):
         llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": f"file://{tmp_path}/a.wav"}}]}],
                  GREEDY, use_tqdm=False)
+
+
+def test_chat_placeholders_in_both_content_formats(ckpt):
+    """A template that loops over content parts gets {"type": "audio", "audio": ""} parts
+    (Qwen2-Audio's tests 'audio' in content); one that prints a string gets vLLM's "Audio k:
+    <|audio_bos|><|AUDIO|><|audio_eos|>" lines, numbered across the conversation, before
+    each message's text."""
+    from flashpage.engine.multimodal import place_images
+
+    enc = ckpt[3].engine.mm_encoder
+    conv = [{"role": "user", "content": "hi"}, {"role": "user", "content": "and this"}]
+    parts = [[("audio", None), ("audio", None), ("text", "hi")], [("audio", None), ("text", "and this")]]
+    printed = place_images(conv, parts, "{{ message['content'] }}", "", audio_placeholder=enc.placeholder_text)
+    assert [m["content"] for m in printed] == [
+        f"Audio 1: {SLOT}\nAudio 2: {SLOT}\nhi", f"Audio 3: {SLOT}\nand this"]
+    looped = place_images(conv, parts, ckpt[2].tokenizer.chat_template, "", audio_placeholder=enc.placeholder_text)
+    assert looped[1]["content"] == [{"type": "audio", "audio": ""}, {"type": "text", "text": "and this"}]
+    text = ckpt[2].tokenizer.apply_chat_template(looped, tokenize=False)
+    assert text.count(SLOT) == 3 and f"Audio 3: {SLOT}\nand this" in text
 
 
 def test_config_and_inspect(ckpt, tmp_path):
