@@ -1,5 +1,6 @@
 """Multimodal rows: prompt positions whose input embeddings an encoder gives (an image's
-``<image>`` positions), the rest of the prompt embedded as tokens.
+``<image>`` positions, an audio's ``<|AUDIO|>``: models/qwen2_audio.py), the rest of the
+prompt embedded as tokens.
 
 A model that takes such inputs has an encoder beside it (LLaVA's: models/llava.py
 LlavaImageEncoder) with two hooks, the whole of what the engine asks of a family:

@@ -78,6 +78,32 @@ def test_features_and_counts_equal_transformers(ckpt):
     assert audio_token_count(320, feats) == 0  # refused as too short (test_bad_requests)
 
 
+def test_rows_equal_transformers_at_the_lengths_edges(ckpt):
+    """Our encoder's rows (over each audio's own positions) equal transformers' projector
+    output (over all 1,500, the padding masked) where the rows it keeps end: a token's least,
+    an odd frame count, the frame before the chunk's last and the whole 30 s; audios of
+    different lengths in one encode call."""
+    _, hf, proc, llm = ckpt
+    enc = llm.engine.mm_encoder
+    seen: list[torch.Tensor] = []
+    hook = hf.model.multi_modal_projector.register_forward_hook(lambda m, i, o: seen.append(o))
+    rng = np.random.default_rng(3)
+    waves = [(0.2 * rng.standard_normal(n)).astype(np.float32) for n in (321, 16_037, 479_841, 480_000)]
+    try:
+        want = []
+        for x in waves:
+            inputs = hf_inputs(proc, "hi <|AUDIO|>", [x])  # (one id alone would be a decode step)
+            with torch.no_grad():
+                hf(**inputs)
+            want.append(seen.pop()[0, :enc.num_rows(torch.from_numpy(x))])
+    finally:
+        hook.remove()
+    got = enc.encode([torch.from_numpy(x) for x in waves])
+    assert [g.shape[0] for g in got] == [1, 25, 750, 750]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_audio_prompts_equal_transformers_whole_and_chunked(ckpt):
     """One audio, two of different lengths in one prompt (one given at 8 kHz: resampled) and
     a text-only prompt, in one batch: prompt ids the processor's, tokens transformers'; the
