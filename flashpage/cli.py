@@ -61,9 +61,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 32 frames spaced evenly; -1: every frame; \"fps\": 2 caps them to 2 a "
                         "second; needs PyAV: pip install av)")
     g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
-                   help="the most images (videos) one prompt may hold, vLLM's form: '{\"image\": 2}' "
+                   help="the most images (videos, audios) one prompt may hold, vLLM's form: '{\"image\": 2}' "
                         "(or image=2,video=1); {\"image\": 0} serves an image model's text alone "
-                        "(a video model: Qwen2-VL, LLaVA-OneVision, InternVL: {\"image\": 0, \"video\": 0})")
+                        "(a video model: Qwen2-VL, LLaVA-OneVision, InternVL: {\"image\": 0, \"video\": 0}; "
+                        "Qwen2-Audio: {\"audio\": 0})")
     g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="the processors' settings, vLLM's: '{\"max_pixels\": 1003520}' "
                         "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate; "

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from flashpage.models.idefics3_config import Idefics3VisionConfig
     from flashpage.models.internvl_config import InternVLVisionConfig
     from flashpage.models.pixtral_config import PixtralVisionConfig
+    from flashpage.models.qwen2_audio_config import Qwen2AudioConfig
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
 # decoder sequence classifiers: the body of the family, a ``score`` head over the last
@@ -160,6 +161,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # its images too (models/idefics3_config.py, idefics3.py)
     "Idefics3ForConditionalGeneration": (("llama",), "llama", ("vision_model", "connector")),
     "SmolVLMForConditionalGeneration": (("llama",), "llama", ("vision_model", "connector")),
+    # Qwen2-Audio (Qwen2-Audio-7B, -Instruct): a Whisper-style audio encoder, avg-pooled, and
+    # one Linear over a Qwen2 text model; its audio too (ModelConfig.audio,
+    # models/qwen2_audio_config.py, qwen2_audio.py)
+    "Qwen2AudioForConditionalGeneration": (("qwen2",), "qwen2", ("audio_tower", "multi_modal_projector")),
 }
 # Qwen3-VL's tower, deepstack and interleaved M-RoPE (dense and MoE text models)
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
@@ -175,6 +180,8 @@ IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForC
                                  "InternVLForConditionalGeneration", "InternVLChatModel",
                                  "Idefics3ForConditionalGeneration",
                                  "SmolVLMForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+# the wrappers whose audio we run (ModelConfig.audio)
+AUDIO_ARCHITECTURES = frozenset({"Qwen2AudioForConditionalGeneration"})
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
@@ -251,6 +258,7 @@ _MODEL_TYPE_TO_ARCH = {
     "internvl_chat": "InternVLChatModel",
     "idefics3": "Idefics3ForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -2871,6 +2879,10 @@ class ModelConfig:
     # models/internvl_config.InternVLVisionConfig)
     vision: (VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig
              | InternVLVisionConfig | Idefics3VisionConfig | None) = None
+    # a multimodal checkpoint whose audio we run (AUDIO_ARCHITECTURES: Qwen2-Audio): its
+    # encoder, projector, audio token and feature extraction
+    # (models/qwen2_audio_config.Qwen2AudioConfig); None for any other model
+    audio: Qwen2AudioConfig | None = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
@@ -2930,14 +2942,20 @@ class ModelConfig:
             text, text_where = _text_config_of(d, arch, where)
             vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
                 else None
+            audio = None
+            if arch in AUDIO_ARCHITECTURES:
+                from flashpage.models.qwen2_audio_config import qwen2_audio_config_of
+
+                audio = qwen2_audio_config_of(d, arch, where, folder)
             return replace(ModelConfig._from_dict(text, text_where, folder),
-                           multimodal_architecture=arch, vision=vision)
+                           multimodal_architecture=arch, vision=vision, audio=audio)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; with image input: "
-                f"{', '.join(sorted(IMAGE_ARCHITECTURES))}; their text model alone: "
-                f"{', '.join(sorted(set(MULTIMODAL_TEXT_ARCHITECTURES) - IMAGE_ARCHITECTURES))}"
+                f"{', '.join(sorted(IMAGE_ARCHITECTURES))}; with audio input: "
+                f"{', '.join(sorted(AUDIO_ARCHITECTURES))}; their text model alone: "
+                f"{', '.join(sorted(set(MULTIMODAL_TEXT_ARCHITECTURES) - IMAGE_ARCHITECTURES - AUDIO_ARCHITECTURES))}"
             )
         if arch in GPT2_FAMILY or arch == "GPTJForCausalLM":
             d = _gpt2_names(d, arch, where)
@@ -3404,6 +3422,9 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if not isinstance(kwargs, dict):
         raise ConfigError(f"mm_processor_kwargs must be a dict, got {kwargs!r}")
     arch = mc.multimodal_architecture or mc.architecture
+    if mc.audio is not None:
+        raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s feature extractor reads none "
+                          "here (its settings are preprocessor_config.json's)")
     if mc.vision is None:
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} given, but {arch} takes no images here")
     if type(mc.vision).__name__ == "Gemma3VisionConfig":  # Gemma3ImageProcessor's pan-and-scan

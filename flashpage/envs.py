@@ -360,6 +360,13 @@ def video_fetch_timeout() -> float:
     return float(value) if value else 30.0
 
 
+def audio_fetch_timeout() -> float:
+    """FLASHPAGE_AUDIO_FETCH_TIMEOUT: seconds an audio URL's fetch may take (default 10, vLLM's
+    VLLM_AUDIO_FETCH_TIMEOUT; engine/media.py)."""
+    value = os.environ.get("FLASHPAGE_AUDIO_FETCH_TIMEOUT", "").strip()
+    return float(value) if value else 10.0
+
+
 def video_max_bytes() -> int:
     """FLASHPAGE_VIDEO_MAX_BYTES: the most encoded bytes a video (URL, file or bytes) may hold
     (default 256 MiB; engine/media.py, engine/video_io.py)."""

@@ -470,6 +470,28 @@ def vision_figures(cfg: ModelConfig, image_size: tuple[int, int], wbytes: int,
             "image_tokens": rows, "kv_bytes_per_image": None if rows is None else rows * kv_bytes_per_token}
 
 
+def audio_figures(cfg: ModelConfig, wbytes: int, kv_bytes_per_token: int) -> dict[str, Any] | None:
+    """An audio model's encoder and projector (models/multimodal.audio_encoder_shell, on the
+    meta device): its parameters and bytes (at least 16-bit), and the prompt rows of the
+    longest audio it takes (one chunk: 30 s for Qwen2-Audio) with their KV bytes. None for
+    a model that takes no audio."""
+    import torch
+
+    from flashpage.models.multimodal import audio_encoder_shell
+    from flashpage.models.qwen2_audio_config import audio_token_count
+
+    with torch.device("meta"):
+        enc: Any = audio_encoder_shell(cfg)
+    if enc is None:
+        return None
+    params = sum(p.numel() for p in enc.parameters())
+    f = enc.config.features
+    rows = audio_token_count(f.n_samples, f)
+    return {"params": params, "bytes": params * max(wbytes, 2), "max_seconds": f.chunk_length,
+            "sampling_rate": f.sampling_rate, "max_audio_tokens": rows,
+            "tokens_per_second": rows / f.chunk_length, "kv_bytes_per_max_audio": rows * kv_bytes_per_token}
+
+
 def parse_image_size(s: str) -> tuple[int, int]:
     """"1024x768" -> (1024, 768): width x height in pixels, each positive."""
     parts = s.lower().replace("*", "x").split("x")
@@ -539,7 +561,9 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         weights_bytes += q_bytes - q_values * wbytes
     qc = cfg.quantization_config
     vision = vision_figures(cfg, image_size, wbytes, kv_total)
-    vision_bytes = 0 if vision is None else vision["bytes"]
+    audio = audio_figures(cfg, wbytes, kv_total)
+    # the encoders' bytes, beside the text model's weights
+    vision_bytes = (0 if vision is None else vision["bytes"]) + (0 if audio is None else audio["bytes"])
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
@@ -550,6 +574,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # (vision_figures), the tower's bytes not in weights_bytes
         "image_input": cfg.vision is not None,
         "vision": vision,
+        # Qwen2-Audio: its audio runs too; the encoder and one longest audio's rows
+        # (audio_figures), the encoder's bytes not in weights_bytes
+        "audio_input": cfg.audio is not None,
+        "audio": audio,
         "attention_kind": cfg.attention_kind,
         "num_hidden_layers": layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -682,7 +710,10 @@ def format_report(info: dict[str, Any]) -> str:
     if info.get("source"):
         rows.append(("model", str(info["source"])))
     rows.append(("architecture", f"{info['architecture']} ({info['model_type']})"))
-    if info.get("multimodal_architecture") and info.get("image_input"):
+    if info.get("multimodal_architecture") and info.get("audio_input"):
+        rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model and "
+                                   "audio input (the audio encoder and projector: below)"))
+    elif info.get("multimodal_architecture") and info.get("image_input"):
         rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model and "
                                    "image input (the vision tower and projector: below)"))
     elif info.get("multimodal_architecture"):
@@ -850,7 +881,15 @@ def format_report(info: dict[str, Any]) -> str:
             (f"one {w}x{h} image", "(install Pillow to count its tokens)" if vis["image_tokens"] is None
              else f"{vis['image_tokens']:,} prompt tokens, {_size(vis['kv_bytes_per_image'])} of KV cache"),
         ]
-    rows.append((f"tokens in {mem} - weights" + (" - tower" if vis else ""),
+    aud = info.get("audio")
+    if aud:
+        rows += [
+            ("audio encoder + projector", f"{aud['params'] / 1e9:.3f} B parameters, "
+                                          f"{_size(aud['bytes'])} (16-bit)"),
+            (f"one {aud['max_seconds']} s audio (the longest)",
+             f"{aud['max_audio_tokens']:,} prompt tokens, {_size(aud['kv_bytes_per_max_audio'])} of KV cache"),
+        ]
+    rows.append((f"tokens in {mem} - weights" + (" - tower" if vis else "") + (" - encoder" if aud else ""),
                  f"{info['tokens_in_memory_after_weights']:,}"))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

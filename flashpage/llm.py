@@ -33,9 +33,9 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 def _check_text_only(conversation: list[dict[str, Any]]) -> None:
-    """A ValueError for a message's non-text content part (image_url, input_audio, ...): the
-    models run are text models (a multimodal checkpoint's text model alone,
-    models/multimodal.py), and a chat template would render an image part as its
+    """A ValueError for a message's non-text content part (image_url, input_audio, ...) to a
+    model that takes none: a text model (or a multimodal checkpoint's text model alone,
+    models/multimodal.py), whose chat template would render an image part as its
     placeholder tokens with no image behind them."""
     for i, msg in enumerate(conversation):
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -370,7 +370,9 @@ class LLM:
         that takes videos (Qwen2-VL / Qwen3-VL, LLaVA-OneVision, InternVL) also ``video_url`` (a video
         file, decoded and sampled as ``media_io_kwargs`` says: engine/video_io.py) and
         ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL images
-        or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
+        or of image URLs; engine/multimodal.chat_images); a model that takes audio
+        (Qwen2-Audio) ``audio_url`` and ``input_audio`` parts (an audio file: its URL, or
+        {"data": base64, "format": "wav"}; engine/audio_io.py). ``mm_processor_kwargs``:
         the processor's settings for these conversations' images, as vLLM's (``generate``'s)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -396,17 +398,27 @@ class LLM:
 
         video_ids = getattr(encoder, "video_placeholder_ids", None)
         video_text = getattr(encoder, "video_placeholder_text", None)  # InternVL's <video>
-        if video_ids is None and video_text is None and _has_video_parts(conversation):
+        if video_ids is None and video_text is None and _has_parts(conversation, ("video", "video_url")):
             # refused before any file is read
             raise ValueError("video content parts given, but this model takes no video input "
                              "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 do)")
-        conv, parts, images, videos = chat_images(conversation, self.engine.config.media_policy)
-        if not images and not videos:
+        takes_audio = getattr(encoder, "modality", "image") == "audio"
+        if not takes_audio and _has_parts(conversation, ("audio_url", "input_audio")):
+            raise ValueError("audio content parts given, but this model takes no audio input (Qwen2-Audio does)")
+        if takes_audio and _has_parts(conversation, ("image_url", "image_pil", "video", "video_url")):
+            raise ValueError("image or video content parts given, but this model takes audio alone")
+        conv, parts, images, videos, audios = chat_images(conversation, self.engine.config.media_policy)
+        if not images and not videos and not audios:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
         template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        if audios:  # Qwen2-Audio: "Audio k: <|audio_bos|><|AUDIO|><|audio_eos|>" where the template prints text
+            conv = place_images(conv, parts, template, "", audio_placeholder=encoder.placeholder_text)
+            ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False, **extra)
+            return {"prompt_token_ids": list(ids), "multi_modal_data": {"audio": audios}}
         if video_text is None and video_ids is not None:
             video_text = tok.decode(video_ids)
         conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)), video_text)
@@ -548,7 +560,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return cast(list[Prompt], plist)
 
 
-def _has_video_parts(conversation: list[dict[str, Any]]) -> bool:
-    """Whether a conversation holds a video or video_url content part."""
-    return any(isinstance(p, dict) and p.get("type") in ("video", "video_url")
+def _has_parts(conversation: list[dict[str, Any]], kinds: tuple[str, ...]) -> bool:
+    """Whether a conversation holds a content part of one of these types."""
+    return any(isinstance(p, dict) and p.get("type") in kinds
                for m in conversation if isinstance(m.get("content"), list) for p in m["content"])

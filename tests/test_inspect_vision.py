@@ -127,3 +127,21 @@ def test_cli_image_size(capsys):
     assert "WIDTHxHEIGHT" in capsys.readouterr().err
     with pytest.raises(ValueError, match="positive"):
         parse_image_size("0x10")
+
+
+def test_published_qwen2_audio(capsys):
+    """Qwen2-Audio-7B-Instruct's config.json and preprocessor_config.json (written from the
+    published files' fields): the encoder and projector, and the text model (Qwen2, untied),
+    are transformers' 642,215,936 and 7,754,878,976 parameters (its meta-device model's
+    counts); a 30 s audio, the longest, is 750 prompt tokens; the report names them."""
+    path = str(ROOT / "tests" / "models" / "configs" / "qwen2-audio-7b-instruct")
+    info = inspect_config(ModelConfig.from_hf(path), 80 << 30)
+    assert info["audio_input"] and info["vision"] is None and not info["image_input"]
+    assert info["audio"]["params"] == 642_215_936
+    assert info["audio"]["max_audio_tokens"] == 750 and info["audio"]["tokens_per_second"] == 25
+    assert info["param_count"] == 7_754_878_976
+    assert info["tokens_in_memory_after_weights"] == (
+        (80 << 30) - info["weights_bytes"] - info["audio"]["bytes"]) // info["kv_bytes_per_token"]
+    assert main([path]) == 0
+    out = capsys.readouterr().out
+    assert "its text model and audio input" in out and "750 prompt tokens" in out

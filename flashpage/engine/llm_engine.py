@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
     from flashpage.models.pixtral import PixtralImageEncoder
+    from flashpage.models.qwen2_audio import Qwen2AudioEncoder
     from flashpage.models.qwen2_vl import QwenImageEncoder
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
@@ -207,19 +208,24 @@ class LLMEngine:
         # SmolVLM's (models/idefics3.py), before the KV
         # cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
-            | InternVLImageEncoder | Idefics3ImageEncoder | None = None
+            | InternVLImageEncoder | Idefics3ImageEncoder | Qwen2AudioEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 take videos too
+        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 take videos too;
+        # Qwen2-Audio takes audio
         takes: tuple[str, ...]
-        if isinstance(mc.vision, QwenVisionConfig) or getattr(mc.vision, "takes_video", False):
+        if mc.audio is not None:
+            takes = ("audio",)
+        elif isinstance(mc.vision, QwenVisionConfig) or getattr(mc.vision, "takes_video", False):
             takes = ("image", "video")
         else:
             takes = ("image", "video") if getattr(mc.vision, "video_token_id", None) is not None \
                 else ("image",)
-        if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
+        encoded = mc.vision is not None or mc.audio is not None
+        if encoded and all(self.mm_limits.get(k) == 0 for k in takes):
             logger.info("limit_mm_per_prompt allows no %s: %s is served as its text model alone "
-                        "(its vision tower not loaded)", " nor ".join(takes), mc.multimodal_architecture)
-        elif mc.vision is not None:  # its module's load_image_encoder (models/multimodal.IMAGE_MODULES)
+                        "(its %s not loaded)", " nor ".join(takes), mc.multimodal_architecture,
+                        "audio encoder" if mc.audio is not None else "vision tower")
+        elif encoded:  # its module's load_image_encoder (models/multimodal.IMAGE_MODULES)
             import importlib
 
             from flashpage.models.multimodal import image_module
@@ -235,16 +241,16 @@ class LLMEngine:
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "
-                              "images' rows are (engine/multimodal.py)")
+                              "images' (audio's) rows are (engine/multimodal.py)")
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
-        if config.enable_sleep_mode and mc.vision is not None:
-            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL, Gemma 3) is not supported yet "
-                             "(its vision tower's memory is not released)")
+        if config.enable_sleep_mode and (mc.vision is not None or mc.audio is not None):
+            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL, Gemma 3) or an audio "
+                             "model (Qwen2-Audio) is not supported yet (its encoder's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
                              "draft's weights and KV pool are not released): drop one of them")
@@ -499,9 +505,9 @@ class LLMEngine:
         if enc is None:
             return set()
         vc = enc.config
-        ids = {vc.image_token_id, *getattr(enc, "placeholder_ids", ())}
+        ids = {getattr(vc, "image_token_id", None), *getattr(enc, "placeholder_ids", ())}
         for name in ("video_token_id", "boi_token_id", "eoi_token_id", "vision_start_token_id",
-                     "vision_end_token_id"):
+                     "vision_end_token_id", "audio_token_id", "audio_bos_token_id", "audio_eos_token_id"):
             ids.add(getattr(vc, name, None))
         return {i for i in ids if isinstance(i, int)}
 
@@ -1079,13 +1085,18 @@ class LLMEngine:
         ``mm_kwargs`` the processor does not read or above the engine's bounds, ..."""
         enc, mc = self.mm_encoder, self.model_config
         # vLLM's per-request mm_processor_kwargs: checked even without data (a bad key named)
-        modalities = [k for k in ("image", "video") if isinstance(data, dict) and k in data]
+        modalities = [k for k in ("image", "video", "audio") if isinstance(data, dict) and k in data]
         vision = request_mm_processing(mc, mm_kwargs, modalities) if mm_kwargs is not None else None
         if data is None:
-            if enc is not None and enc.config.image_token_id in ids:
+            image = getattr(enc.config, "image_token_id", None) if enc is not None else None
+            if image is not None and image in ids:
                 raise ValueError(f"the prompt has image tokens ({enc_token_name(enc)}, id "
-                                 f"{enc.config.image_token_id}) but no image was given "
+                                 f"{image}) but no image was given "
                                  "(multi_modal_data={\"image\": ...})")
+            audio = getattr(enc.config, "audio_token_id", None) if enc is not None else None
+            if audio is not None and audio in ids:
+                raise ValueError(f"the prompt has audio tokens ({enc_token_name(enc)}, id {audio}) but no "
+                                 "audio was given (multi_modal_data={\"audio\": (waveform, sampling_rate)})")
             video = getattr(enc.config, "video_token_id", None) if enc is not None else None
             if video is not None and video in ids:
                 name = getattr(enc, "video_token_name", "<|video_pad|>")
@@ -1097,14 +1108,19 @@ class LLMEngine:
             if n > limit:
                 raise ValueError(f"{n} {modality} item(s) in one prompt, but limit_mm_per_prompt allows "
                                  f"{limit} ({{{modality!r}: {limit}}})")
+        given = "audio" if isinstance(data, dict) and "audio" in data else "image"
         if enc is None:
             what = (f"{mc.multimodal_architecture} is served as its text model alone "
                     "(models/multimodal.py)" if mc.multimodal_architecture
                     else f"{mc.architecture} is a text-only model")
-            raise ValueError(f"multi_modal_data given, but this model takes no image input: {what}")
+            raise ValueError(f"multi_modal_data given, but this model takes no {given} input: {what}")
+        if given == "audio" and getattr(enc, "modality", "image") != "audio":
+            raise ValueError(f"multi_modal_data[\"audio\"] given, but this model "
+                             f"({mc.multimodal_architecture or mc.architecture}) takes no audio input "
+                             "(Qwen2-Audio does)")
         if pooling is not None:
             raise ValueError(f"multi_modal_data with a {pooling.task} request: only generation "
-                             "takes images")
+                             "takes images and audio")
         if self.spec_config is not None:
             raise ValueError("multi_modal_data with speculative decoding: its draft would see "
                              "the image placeholders without the image; serve without "
@@ -1400,9 +1416,9 @@ class LLMEngine:
             return "the model's checkpoint is quantized (fp8 / AWQ / GPTQ): its held weights are not 16-bit"
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
-        if mc.vision is not None:
-            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py, gemma3_vision.py) is not "
-                    "written by weight updates yet")
+        if mc.vision is not None or mc.audio is not None:
+            return ("the model's vision tower or audio encoder (models/llava.py, qwen2_vl.py, pixtral.py, "
+                    "gemma3_vision.py, qwen2_audio.py) is not written by weight updates yet")
         return None
 
     def _weights_changed(self) -> None:

@@ -1,7 +1,7 @@
-"""Images and videos by URL, as vLLM reads them: a chat message's ``image_url`` or
-``video_url`` (on the server and in ``LLM.chat``) may be a base64 data URL, an http(s) URL
-(fetched) or a ``file://`` URL (read, only under ``allowed_local_media_path``). A video's
-bytes are decoded by engine/video_io.py.
+"""Images, videos and audio by URL, as vLLM reads them: a chat message's ``image_url``,
+``video_url`` or ``audio_url`` (on the server and in ``LLM.chat``) may be a base64 data URL,
+an http(s) URL (fetched) or a ``file://`` URL (read, only under ``allowed_local_media_path``).
+A video's bytes are decoded by engine/video_io.py, an audio file's by engine/audio_io.py.
 
 ``MediaPolicy`` holds what a deployment allows (vLLM's flags of the same names):
 
@@ -14,7 +14,9 @@ bytes are decoded by engine/video_io.py.
   (``FLASHPAGE_MEDIA_MAX_BYTES``, default 32 MiB; Pillow's decompression-bomb check guards
   the decoded size). A video's own: ``video_fetch_timeout`` (``FLASHPAGE_VIDEO_FETCH_TIMEOUT``,
   default 30, vLLM's ``VLLM_VIDEO_FETCH_TIMEOUT``) and ``video_max_bytes``
-  (``FLASHPAGE_VIDEO_MAX_BYTES``, default 256 MiB). The byte caps hold for data URLs too.
+  (``FLASHPAGE_VIDEO_MAX_BYTES``, default 256 MiB). An audio file's fetch: ``audio_fetch_timeout``
+  (``FLASHPAGE_AUDIO_FETCH_TIMEOUT``, default 10, vLLM's ``VLLM_AUDIO_FETCH_TIMEOUT``), its
+  bytes under ``max_bytes`` as an image's. The byte caps hold for data URLs too.
 - ``media_io_kwargs``: vLLM's ``--media-io-kwargs``, how a video file is sampled:
   ``{"video": {"num_frames": 32, "fps": -1}}`` (engine/video_io.py; those are the defaults).
 
@@ -78,6 +80,7 @@ class MediaPolicy:
     max_bytes: int = field(default_factory=envs.media_max_bytes)
     video_fetch_timeout: float = field(default_factory=envs.video_fetch_timeout)
     video_max_bytes: int = field(default_factory=envs.video_max_bytes)
+    audio_fetch_timeout: float = field(default_factory=envs.audio_fetch_timeout)
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
@@ -108,16 +111,21 @@ def decode_image_bytes(raw: bytes, i: int) -> Any:
     return img
 
 
+_EXAMPLES = {"image": "data:image/png;base64,...", "video": "data:video/mp4;base64,...",
+             "audio": "data:audio/wav;base64,..."}
+
+
 def data_url_bytes(url: str, i: int, kind: str = "image") -> bytes:
     """A base64 data URL's bytes (its media type, where given, ``kind``/...: image/png for
-    an image, video/mp4 for a video); a ValueError naming item ``i`` of ``kind``."""
-    example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+    an image, video/mp4 for a video, audio/wav for an audio); a ValueError naming item ``i``
+    of ``kind``."""
+    example = _EXAMPLES[kind]
     m = _DATA_URL.match(url)
     if m is None:
         raise ValueError(f"{kind} {i}: a data URL must be base64 ({example}), got {url[:40]!r}")
     if m.group(1) is not None and m.group(1).lower() != kind:
         raise ValueError(f"{kind} {i}: a data URL of type {(m.group(1) + (m.group(2) or ''))!r} given "
-                         f"as {'an' if kind == 'image' else 'a'} {kind} ({example})")
+                         f"as {'a' if kind == 'video' else 'an'} {kind} ({example})")
     try:
         return base64.b64decode(m.group(4), validate=True)
     except (binascii.Error, ValueError) as e:
@@ -150,6 +158,8 @@ def _limits(policy: MediaPolicy, kind: str) -> tuple[int, float, str]:
     """(the most bytes, the fetch timeout, the variable naming the byte cap) for ``kind``."""
     if kind == "video":
         return policy.video_max_bytes, policy.video_fetch_timeout, "FLASHPAGE_VIDEO_MAX_BYTES"
+    if kind == "audio":
+        return policy.max_bytes, policy.audio_fetch_timeout, "FLASHPAGE_MEDIA_MAX_BYTES"
     return policy.max_bytes, policy.fetch_timeout, "FLASHPAGE_MEDIA_MAX_BYTES"
 
 
@@ -206,7 +216,7 @@ def url_scheme(url: str) -> str:
 
 
 def read_url(url: str, i: int, policy: MediaPolicy | None = None, kind: str = "image") -> bytes:
-    """Item ``i`` of ``kind`` ("image" or "video") of a request: its URL's bytes (module
+    """Item ``i`` of ``kind`` ("image", "video" or "audio") of a request: its URL's bytes (module
     docstring), within the policy's rules and ``kind``'s byte cap and timeout; a ValueError
     naming what is wrong."""
     policy = policy or MediaPolicy()
@@ -222,7 +232,7 @@ def read_url(url: str, i: int, policy: MediaPolicy | None = None, kind: str = "i
         return _fetch(url, who, policy, kind)
     if scheme == "file":
         return _read_file(url, who, policy, kind)
-    example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+    example = _EXAMPLES[kind]
     raise ValueError(f"{who}: its url must be a data URL ({example}), an http(s) URL or a file:// "
                      f"URL, got {url[:40]!r}")
 

@@ -1,5 +1,6 @@
 """Multimodal rows: prompt positions whose input embeddings an encoder gives (an image's
-``<image>`` positions), the rest of the prompt embedded as tokens.
+``<image>`` positions, an audio's ``<|AUDIO|>``: models/qwen2_audio.py), the rest of the
+prompt embedded as tokens.
 
 A model that takes such inputs has an encoder beside it (LLaVA's: models/llava.py
 LlavaImageEncoder) with two hooks, the whole of what the engine asks of a family:
@@ -101,7 +102,7 @@ def enc_token_name(encoder: Any) -> str:
     return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
-MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: Qwen2-VL's)
+MODALITIES = ("image", "video", "audio")  # what limit_mm_per_prompt may name (audio: Qwen2-Audio's)
 
 
 def check_limits(limits: Any) -> dict[str, int]:
@@ -127,6 +128,10 @@ def count_items(data: Any, modality: str) -> int:
     given = data[modality]
     if modality == "video":
         return len(video_items(given))
+    if modality == "audio":
+        from flashpage.engine.audio_io import audio_items
+
+        return len(audio_items(given))
     if isinstance(given, torch.Tensor):
         return given.shape[0] if given.dim() == 4 else 1
     return len(given) if isinstance(given, (list, tuple)) else 1
@@ -183,6 +188,33 @@ def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
+
+
+def expand_tokens(ids: list[int], token: int, counts: list[int], name: str, what: str
+                  ) -> tuple[list[int], list[int]]:
+    """A prompt's ids with its k-th ``token`` (``name``: its text, ``what``: the item kind in
+    errors) made ``counts[k]`` of them, as a processor writes it (LlavaProcessor's
+    <image>, Qwen2AudioProcessor's <|AUDIO|>), and each item's first position in the
+    result. Ids already expanded (the runs of ``token`` exactly the items' counts) are kept
+    as they are. A ValueError names a count that does not match the items'."""
+    runs = token_runs(ids, token)  # (start, length) of each run of the token
+    total = sum(n for _, n in runs)
+    if len(runs) == len(counts) and any(c > 1 for c in counts) \
+            and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
+        return list(ids), [s for s, _ in runs]  # expanded already
+    if total != len(counts):
+        raise ValueError(
+            f"the prompt has {total} {what} token(s) ({name}, id {token}) but "
+            f"{len(counts)} {what}(s) were given: put one {name} in the prompt per {what}")
+    out: list[int] = []
+    starts: list[int] = []
+    for t in ids:
+        if t == token:
+            starts.append(len(out))
+            out.extend([token] * counts[len(starts) - 1])
+        else:
+            out.append(t)
+    return out, starts
 
 
 def expand_beside_frames(ids: list[int], token: int, name: str, is_frame: Callable[[int, int], bool],
@@ -363,30 +395,42 @@ def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
     return load_image(url, i, policy)
 
 
-# a message's content parts as the template sees them: ("text", its text), ("image", None) or
-# ("video", None)
+# a message's content parts as the template sees them: ("text", its text), ("image", None),
+# ("video", None) or ("audio", None)
 Parts = list[tuple[str, str | None]]
+_MEDIA = ("image", "video", "audio")
 
 
 def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template: str | None,
-                 placeholder: str, video_placeholder: str | None = None) -> list[dict[str, Any]]:
-    """``conv`` with each message's image (and video) parts (``parts[i]``: message i's parts
-    in order, None for a message of plain text) put where the chat template reads them: a
-    part ``{"type": "image"}`` / ``{"type": "video"}`` where the template loops over content
-    parts (llava-hf's and Qwen's templates), else the placeholder texts (``<image>``;
-    ``video_placeholder`` for a video) on their own lines before the message's text, in the
-    parts' order (vLLM's "string" content format)."""
+                 placeholder: str, video_placeholder: str | None = None,
+                 audio_placeholder: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+    """``conv`` with each message's image (video, audio) parts (``parts[i]``: message i's
+    parts in order, None for a message of plain text) put where the chat template reads
+    them: a part ``{"type": "image"}`` / ``{"type": "video"}`` / ``{"type": "audio",
+    "audio": ""}`` where the template loops over content parts (llava-hf's and Qwen's
+    templates; Qwen2-Audio's tests ``'audio' in content``), else the placeholder texts
+    (``<image>``; ``video_placeholder`` for a video; ``audio_placeholder(k)`` for the
+    conversation's k-th audio, 1-based: "Audio k: <|audio_bos|><|AUDIO|><|audio_eos|>") on
+    their own lines before the message's text, in the parts' order (vLLM's "string"
+    content format)."""
     as_parts = template_reads_parts(template)
     out = []
+    audios = 0
     for d, ps in zip(conv, parts, strict=True):
-        if ps is None or not any(kind in ("image", "video") for kind, _ in ps):
+        if ps is None or not any(kind in _MEDIA for kind, _ in ps):
             out.append(as_text_parts([d])[0] if as_parts else d)
         elif as_parts:
             out.append({**d, "content": [{"type": "text", "text": text} if kind == "text"
+                                         else {"type": "audio", "audio": ""} if kind == "audio"
                                          else {"type": kind} for kind, text in ps]})
         else:
-            marks = [placeholder if kind == "image" else video_placeholder or placeholder
-                     for kind, _ in ps if kind != "text"]
+            marks = []
+            for kind, _ in ps:
+                if kind == "audio":
+                    audios += 1
+                    marks.append(audio_placeholder(audios) if audio_placeholder is not None else placeholder)
+                elif kind != "text":
+                    marks.append(placeholder if kind == "image" else video_placeholder or placeholder)
             text = d["content"] if isinstance(d.get("content"), str) else \
                 "".join(t or "" for kind, t in ps if kind == "text")
             out.append({**d, "content": "\n".join([*marks, text])})
@@ -407,21 +451,45 @@ def _video(video: Any, n: int, first: int, policy: MediaPolicy | None) -> Any:
     return video
 
 
+def chat_audio(part: dict[str, Any], kind: str, n: int, where: str, policy: MediaPolicy | None) -> Any:
+    """An ``audio_url`` part's audio (``{"audio_url": {"url": ...}}`` or the url as a string:
+    a data, http(s) or file:// URL read as engine/media.py says) or an ``input_audio`` part's
+    (``{"input_audio": {"data": base64 of a file, "format": "wav"}}``), decoded
+    (engine/audio_io.py): (mono float32 samples, their rate); ``n``: its index in the
+    conversation's audios. A ValueError names what is wrong."""
+    from flashpage.engine.audio_io import load_audio, load_input_audio
+
+    if kind == "audio_url":
+        url = part.get("audio_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise ValueError(f"{where}: audio_url needs a url string")
+        return load_audio(url, n, policy)
+    given = part.get("input_audio")
+    if not isinstance(given, dict):
+        raise ValueError(f"{where}: input_audio needs {{\"data\": base64, \"format\": \"wav\"}}")
+    return load_input_audio(given.get("data"), given.get("format"), n, policy)
+
+
 def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None = None
-                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any], list[Any]]:
-    """An LLM.chat conversation whose messages may hold image or video parts -- OpenAI's
-    ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string; read as
-    engine/media.py says under ``policy``), vLLM's ``{"type": "image_pil", "image_pil":
-    PIL.Image}``, ``{"type": "video_url", "video_url": {"url": ...}}`` (a video file, read as
-    image URLs are and decoded by engine/video_io.py: its sampled frames and metadata), and
-    ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL images, a
-    list of image URLs read as frames, or one URL: a video file) -- -> (the conversation with each content list's
-    text joined, each message's parts, the images in order, the videos in order); a
-    ValueError names a part of another type."""
+                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any], list[Any], list[Any]]:
+    """An LLM.chat conversation whose messages may hold image, video or audio parts --
+    OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string;
+    read as engine/media.py says under ``policy``), vLLM's ``{"type": "image_pil",
+    "image_pil": PIL.Image}``, ``{"type": "video_url", "video_url": {"url": ...}}`` (a video
+    file, read as image URLs are and decoded by engine/video_io.py: its sampled frames and
+    metadata), ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
+    images, a list of image URLs read as frames, or one URL: a video file), and
+    ``{"type": "audio_url", "audio_url": {"url": ...}}`` / OpenAI's ``{"type": "input_audio",
+    "input_audio": {"data": ..., "format": "wav"}}`` (an audio file, ``chat_audio``) -> (the
+    conversation with each content list's text joined, each message's parts, the images in
+    order, the videos in order, the audios in order: (samples, rate) pairs); a ValueError
+    names a part of another type."""
     conv: list[dict[str, Any]] = []
     parts: list[Parts | None] = []
     images: list[Any] = []
     videos: list[Any] = []
+    audios: list[Any] = []
     frames = 0  # frames read from URLs so far (their index in errors)
     for i, msg in enumerate(conversation):
         content = msg.get("content")
@@ -460,9 +528,14 @@ def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None =
                     raise ValueError(f"message {i}: content part {j}: video_url needs a url string")
                 videos.append(load_video(url, len(videos), policy))
                 ps.append(("video", None))
+            elif kind in ("audio_url", "input_audio"):
+                assert isinstance(part, dict)
+                audios.append(chat_audio(part, kind, len(audios), f"message {i}: content part {j}", policy))
+                ps.append(("audio", None))
             else:
                 raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
-                                 "image_url, image_pil, video_url and video parts are read")
+                                 "image_url, image_pil, video_url, video, audio_url and input_audio "
+                                 "parts are read")
         conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
         parts.append(ps)
-    return conv, parts, images, videos
+    return conv, parts, images, videos, audios

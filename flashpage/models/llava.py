@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flashpage.config import VisionConfig
-from flashpage.engine.multimodal import MultiModalInput, token_runs
+from flashpage.engine.multimodal import MultiModalInput, expand_tokens
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, preprocess
 from flashpage.models.clip_vision import CLIPVisionTower, activation
@@ -234,26 +234,7 @@ def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
                         tokens_per_image: int | list[int]) -> tuple[list[int], list[int]]:
     """A prompt's ids with each ``<image>`` token made ``tokens_per_image`` of them (as
     LlavaProcessor; a list: image i's own count, LLaVA-NeXT's), and each image's first
-    position in the result. Ids already expanded (the runs of image tokens exactly the
-    images' counts) are kept as they are. A ValueError names a count that does not match
-    ``num_images``."""
+    position in the result (engine/multimodal.expand_tokens: ids already expanded kept)."""
     counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
     assert len(counts) == num_images
-    runs = token_runs(ids, image_token)  # (start, length) of each run of image tokens
-    total = sum(n for _, n in runs)
-    if len(runs) == num_images and any(c > 1 for c in counts) \
-            and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
-        return list(ids), [s for s, _ in runs]  # expanded already
-    if total != num_images:
-        raise ValueError(
-            f"the prompt has {total} image token(s) (<image>, id {image_token}) but "
-            f"{num_images} image(s) were given: put one <image> in the prompt per image")
-    out: list[int] = []
-    starts: list[int] = []
-    for t in ids:
-        if t == image_token:
-            starts.append(len(out))
-            out.extend([image_token] * counts[len(starts) - 1])
-        else:
-            out.append(t)
-    return out, starts
+    return expand_tokens(ids, image_token, counts, "<image>", "image")

@@ -7,7 +7,8 @@ Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration,
 Gemma3ForConditionalGeneration, InternVLForConditionalGeneration / InternVLChatModel and
 Idefics3ForConditionalGeneration / SmolVLMForConditionalGeneration, whose images
 models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py, models/pixtral.py,
-models/gemma3_vision.py, models/internvl.py and models/idefics3.py run beside them).
+models/gemma3_vision.py, models/internvl.py and models/idefics3.py run beside them; and
+Qwen2AudioForConditionalGeneration, whose audio models/qwen2_audio.py runs).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -20,8 +21,8 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
   InternLM2's ``language_model.output.`` -> ``output.`` (its own name, models/internlm2.py);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
-  ``multi_modal_projector`` / ``connector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
-  before them): skipped, counted in
+  ``multi_modal_projector`` / ``connector``, LLaVA-NeXT's ``image_newline``, Qwen2-Audio's
+  ``audio_tower``, with or without ``model.`` before them): skipped, counted in
   one INFO line (LLaVA's: read by its image encoder, models/llava.py, in a pass of its own);
 - anything else: a ModelLoadError naming the tensor (a file of another layout, or a
   module we would silently drop).
@@ -68,7 +69,9 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 # llava.encoder_class)
 IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision",
-                 "InternVLVisionConfig": "internvl", "Idefics3VisionConfig": "idefics3"}
+                 "InternVLVisionConfig": "internvl", "Idefics3VisionConfig": "idefics3",
+                 # an audio config (ModelConfig.audio): its encoder's module, loaded the same way
+                 "Qwen2AudioConfig": "qwen2_audio"}
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -91,12 +94,17 @@ def stack_to(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def image_module(config: ModelConfig) -> str | None:
-    """The module (under flashpage/models/) of ``config``'s image encoder; None: no images."""
-    return None if config.vision is None else IMAGE_MODULES[type(config.vision).__name__]
+    """The module (under flashpage/models/) of ``config``'s multimodal encoder (its image
+    encoder, or Qwen2-Audio's audio encoder); None: neither images nor audio."""
+    enc = config.vision if config.vision is not None else config.audio
+    return None if enc is None else IMAGE_MODULES[type(enc).__name__]
 
 
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
+    if config.audio is not None:
+        return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
+                f"and its audio (audio encoder and projector: models/{image_module(config)}.py)")
     if config.vision is not None:
         return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
                 f"and its images (vision tower and projector: models/{image_module(config)}.py)")
@@ -238,6 +246,8 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
     (``torch.device("meta")`` for its shapes alone: ``flashpage inspect``), without weights;
     None for a model that takes no images. Its ``pixel_values`` / ``num_rows`` preprocess
     on the host and count an image's prompt rows."""
+    if config.vision is None:
+        return None
     module = image_module(config)
     vc: Any = config.vision
     if module == "qwen2_vl":
@@ -265,3 +275,13 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
 
         return PixtralImageEncoder(vc, config.hidden_size)
     return None
+
+
+def audio_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
+    """``config``'s audio encoder and projector built under the current device (as
+    ``image_encoder_shell``), without weights; None for a model that takes no audio."""
+    if config.audio is None:
+        return None
+    from flashpage.models.qwen2_audio import Qwen2AudioEncoder
+
+    return Qwen2AudioEncoder(config.audio, config.hidden_size)

@@ -82,7 +82,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     # pan-and-scan text): its own count from the ids (models/gemma3_vision.py prompt_length)
     if images is not None and (length := getattr(encoder, "prompt_length", None)) is not None:
         n_prompt = length(ids, pics)
-    if images is not None and "video" in images:  # a video's rows (and Qwen3-VL's timestamps)
+    if images is not None and ("video" in images or "audio" in images):
+        # a video's rows (and Qwen3-VL's timestamps), an audio's: the encoder's own expansion
         n_prompt = await _expanded_length(encoder, ids, images)
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
@@ -212,21 +213,23 @@ async def _expanded_length(encoder: Any, ids: list[int], data: dict[str, Any]) -
 
 async def _images(state: ServerState, req: ChatCompletionRequest,
                   conv: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The request's images and videos as the engine's multi_modal_data (their placeholders
-    put into ``conv`` in place), or None without any; a 400 for a model that takes no images
-    (videos), a URL that cannot be read (engine/media.py), bytes that are no image / video
-    (server/images.py, engine/video_io.py), or mm_processor_kwargs the processor does not
-    read or above the server's bounds."""
+    """The request's images, videos or audios as the engine's multi_modal_data (their
+    placeholders put into ``conv`` in place), or None without any; a 400 for a model that
+    takes no images (videos, audio), a URL that cannot be read (engine/media.py), bytes that
+    are no image / video / audio (server/images.py, engine/video_io.py, engine/audio_io.py),
+    or mm_processor_kwargs the processor does not read or above the server's bounds."""
     from flashpage.engine.multimodal import as_text_parts, placeholder_ids, template_reads_parts
     from flashpage.server.images import (
+        audio_parts,
         image_urls,
+        read_audios,
         read_images,
         read_videos,
         video_urls,
         with_placeholders,
     )
 
-    urls, vurls = image_urls(req.messages), video_urls(req.messages)
+    urls, vurls, aparts = image_urls(req.messages), video_urls(req.messages), audio_parts(req.messages)
     engine = state.engine.engine
     encoder = getattr(engine, "mm_encoder", None)
     vision = None  # vLLM's per-request processor settings: the images resized under them
@@ -238,30 +241,40 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
                                            (["image"] if urls else []) + (["video"] if vurls else []))
         except ValueError as e:
             raise bad_request(str(e), "mm_processor_kwargs") from None
-    if not urls and not vurls:
+    if not urls and not vurls and not aparts:
         tok = engine.tokenizer
         if encoder is not None and tok is not None and template_reads_parts(tok.chat_template):
             conv[:] = as_text_parts(conv)  # an image model's template reads parts (llava-hf's)
         return None
     mc = getattr(engine, "model_config", None)
     name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
-    if encoder is None:
-        what = "image_url" if urls else "video_url"
+    takes_audio = getattr(encoder, "modality", "image") == "audio"
+    if encoder is None or (aparts and not takes_audio):
+        what = "image_url" if urls else "video_url" if vurls else aparts[0].type
+        kind = "audio" if what in ("audio_url", "input_audio") else what[:5]
         raise bad_request(f"{what} content parts given, but this model ({name}) takes no "
-                          f"{what[:5]} input (models/llava.py lists the families that do)", "messages")
+                          f"{kind} input (docs/features.md lists the families that do)", "messages")
+    if takes_audio and (urls or vurls):
+        raise bad_request(f"{'image_url' if urls else 'video_url'} content parts given, but this model "
+                          f"({name}) takes audio alone", "messages")
+    policy = engine.config.media_policy
+    tok = engine.tokenizer
+    template = getattr(tok, "chat_template", None)
+    if aparts:  # Qwen2-Audio: each part its template's audio part (server/images.py)
+        audios = await read_audios(encoder, aparts, policy)
+        conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None, "",
+                                    audio_placeholder=encoder.placeholder_text)
+        return {"audio": audios}
     video_ids = getattr(encoder, "video_placeholder_ids", None)
     video_text = getattr(encoder, "video_placeholder_text", None)  # InternVL's <video>
     if vurls and video_ids is None and video_text is None:
         raise bad_request(f"video_url content parts given, but this model ({name}) takes no video "
                           "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 do)",
                           "messages")
-    policy = engine.config.media_policy
     pixels = await read_images(encoder, urls, policy, vision) if urls else []
     videos = await read_videos(encoder, vurls, policy, vision) if vurls else []
-    tok = engine.tokenizer
     placeholder = tok.decode(placeholder_ids(encoder)) if tok is not None else "<image>"
     video_placeholder = tok.decode(video_ids) if tok is not None and video_ids is not None else video_text
-    template = getattr(tok, "chat_template", None)
     conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None,
                                 placeholder, video_placeholder)
     data: dict[str, Any] = {"image": pixels} if pixels else {}

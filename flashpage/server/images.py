@@ -13,6 +13,13 @@ placeholder: a part ``{"type": "image"}`` where the template loops over a messag
 parts (llava-hf's templates), else the placeholder text (the image token's, ``<image>``) on
 its own line before the message's text (vLLM's "string" content format).
 
+An audio part (vLLM's ``{"type": "audio_url", "audio_url": {"url": ...}}`` by the same URL
+rules, ``FLASHPAGE_AUDIO_FETCH_TIMEOUT``; OpenAI's ``{"type": "input_audio", "input_audio":
+{"data": base64, "format": "wav"}}``) for a model that takes audio (Qwen2-Audio) is decoded by
+engine/audio_io.py and admitted by the encoder (resampled to its rate, its length checked)
+on a worker thread; its placeholder is the template's audio part (Qwen2-Audio's "Audio k:
+<|audio_bos|><|AUDIO|><|audio_eos|>").
+
 A video's url is read under the same rules (its own byte cap and timeout,
 ``FLASHPAGE_VIDEO_MAX_BYTES`` / ``FLASHPAGE_VIDEO_FETCH_TIMEOUT``), decoded and sampled by
 engine/video_io.py (PyAV; ``--media-io-kwargs``) and, where the encoder has ``admit_video``
@@ -28,8 +35,10 @@ from flashpage.engine import multimodal
 from flashpage.engine.media import MediaPolicy
 from flashpage.server.protocol import (
     APIError,
+    AudioURLPart,
     ChatMessage,
     ImagePart,
+    InputAudioPart,
     TextPart,
     VideoPart,
     bad_request,
@@ -48,6 +57,35 @@ def video_urls(messages: list[ChatMessage]) -> list[str]:
     """The url of every video part, in the conversation's order."""
     return [p.video_url.url for m in messages if isinstance(m.content, list)
             for p in m.content if isinstance(p, VideoPart)]
+
+
+def audio_parts(messages: list[ChatMessage]) -> list[AudioURLPart | InputAudioPart]:
+    """Every audio part (audio_url, input_audio), in the conversation's order."""
+    return [p for m in messages if isinstance(m.content, list)
+            for p in m.content if isinstance(p, (AudioURLPart, InputAudioPart))]
+
+
+def read_audio_parts(encoder: Any, parts: list[AudioURLPart | InputAudioPart],
+                     policy: MediaPolicy | None = None) -> list[Any]:
+    """Each audio part read and decoded (engine/audio_io.py) and admitted by the encoder (its
+    waveform at the model's rate, its length checked); a 400 naming what is wrong."""
+    from flashpage.engine.audio_io import load_audio, load_input_audio
+
+    out = []
+    for i, p in enumerate(parts):
+        try:
+            pair = load_audio(p.audio_url.url, i, policy) if isinstance(p, AudioURLPart) else \
+                load_input_audio(p.input_audio.data, p.input_audio.format, i, policy)
+            out.append(encoder.admit_audio(pair, i))
+        except ValueError as e:
+            raise bad_request(str(e), FIELD) from None
+    return out
+
+
+async def read_audios(encoder: Any, parts: list[AudioURLPart | InputAudioPart],
+                      policy: MediaPolicy | None = None) -> list[Any]:
+    """``read_audio_parts`` on a worker thread (a fetch, a decode and a resampling)."""
+    return await asyncio.get_running_loop().run_in_executor(None, read_audio_parts, encoder, parts, policy)
 
 
 def read_video_urls(encoder: Any, urls: list[str], policy: MediaPolicy | None = None,
@@ -110,17 +148,23 @@ async def read_images(encoder: Any, urls: list[str], policy: MediaPolicy | None 
                                                             vision)
 
 
+def _kind(p: Any) -> str:
+    if isinstance(p, VideoPart):
+        return "video"
+    return "audio" if isinstance(p, (AudioURLPart, InputAudioPart)) else "image"
+
+
 def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],
                       template: str | None, placeholder: str,
-                      video_placeholder: str | None = None) -> list[dict[str, Any]]:
-    """``conv`` (server/tool_choice.conversation's) with each message's image and video parts
-    put back where the chat template reads them (engine/multimodal.place_images)."""
+                      video_placeholder: str | None = None,
+                      audio_placeholder: Any = None) -> list[dict[str, Any]]:
+    """``conv`` (server/tool_choice.conversation's) with each message's image, video and
+    audio parts put back where the chat template reads them (engine/multimodal.place_images)."""
     parts: list[multimodal.Parts | None] = [
-        [("text", p.text) if isinstance(p, TextPart) else ("video" if isinstance(p, VideoPart) else "image", None)
-         for p in m.content]
+        [("text", p.text) if isinstance(p, TextPart) else (_kind(p), None) for p in m.content]
         if isinstance(m.content, list) else None for m in messages]
-    return multimodal.place_images(conv, parts, template, placeholder, video_placeholder)
+    return multimodal.place_images(conv, parts, template, placeholder, video_placeholder, audio_placeholder)
 
 
-__all__ = ["APIError", "decode_data_url", "image_urls", "read_images", "read_videos", "video_urls",
-           "with_placeholders"]
+__all__ = ["APIError", "audio_parts", "decode_data_url", "image_urls", "read_audios", "read_images",
+           "read_videos", "video_urls", "with_placeholders"]

@@ -179,6 +179,30 @@ class VideoPart(_Body):
     video_url: VideoURL
 
 
+class AudioURL(_Body):
+    url: Str
+
+
+class AudioURLPart(_Body):
+    """An audio file by URL (server/images.py, engine/audio_io.py), for a model that takes
+    audio (vLLM's audio_url part)."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+class InputAudio(_Body):
+    data: Str  # the file's bytes, base64
+    format: Str | None = None  # OpenAI's "wav" / "mp3": a hint, the bytes say what they are
+
+
+class InputAudioPart(_Body):
+    """An audio file inline (OpenAI's input_audio part), for a model that takes audio."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class FunctionCall(_Body):
     name: Str
     arguments: Str  # a JSON object, as text (OpenAI's)
@@ -194,7 +218,7 @@ class ToolCallBody(_Body):
 
 class ChatMessage(_Body):
     role: Str
-    content: Str | list[TextPart | ImagePart | VideoPart] | None = None
+    content: Str | list[TextPart | ImagePart | VideoPart | AudioURLPart | InputAudioPart] | None = None
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
@@ -205,9 +229,9 @@ class ChatMessage(_Body):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        """A content part other than text, image_url and video_url (input_audio, file, ...)
-        refused by its own type: no model served reads one. (image_url and video_url parts:
-        server/images.py; a model that takes no images / videos refuses them there.)"""
+        """A content part other than text, image_url, video_url, audio_url and input_audio
+        (file, ...) refused by its own type: no model served reads one. (The others:
+        server/images.py; a model that takes no images / videos / audio refuses them there.)"""
         content = data.get("content") if isinstance(data, dict) else None
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
@@ -217,11 +241,12 @@ class ChatMessage(_Body):
                     "file, {\"type\": \"video_url\", \"video_url\": {\"url\": ...}} (its frames are "
                     "taken offline: LLM.chat's \"video\" parts, multi_modal_data[\"video\"])",
                     {"i": i})
-            if isinstance(kind, str) and kind not in ("text", "image_url", "video_url"):
+            if isinstance(kind, str) and kind not in ("text", "image_url", "video_url", "audio_url",
+                                                      "input_audio"):
                 raise PydanticCustomError(
-                    "content_part", "content.{i} has type '{kind}': only text, image_url and "
-                    "video_url parts are supported (this server takes no audio or file input)",
-                    {"i": i, "kind": kind})
+                    "content_part", "content.{i} has type '{kind}': only text, image_url, "
+                    "video_url, audio_url and input_audio parts are supported (this server takes "
+                    "no file input)", {"i": i, "kind": kind})
         return data
 
     def text(self) -> str:
@@ -349,8 +374,9 @@ _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "content": 'a string or a list of {"type": "text", "text": ...}, {"type": "image_url", '
-               '"image_url": {"url": "data:image/...;base64,..."}} and {"type": "video_url", '
-               '"video_url": {"url": ...}} parts',
+               '"image_url": {"url": "data:image/...;base64,..."}}, {"type": "video_url", '
+               '"video_url": {"url": ...}}, {"type": "audio_url", "audio_url": {"url": ...}} and '
+               '{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}} parts',
 }
 
 

@@ -355,7 +355,7 @@ def test_limit_mm_per_prompt(llava):
     got = text.generate([{"prompt_token_ids": one_ids, "multi_modal_data": {"image": one_img}}], GREEDY,
                         use_tqdm=False)[0]
     assert got.error is not None and "limit_mm_per_prompt allows 0" in got.error
-    for bad, needle in (({"audio": 1}, "unknown modality 'audio'"), ({"image": -1}, "non-negative int"),
+    for bad, needle in (({"speech": 1}, "unknown modality 'speech'"), ({"image": -1}, "non-negative int"),
                         ([1], "must be a dict")):
         with pytest.raises(ConfigError, match=needle):
             _llm(path, limit_mm_per_prompt=bad)

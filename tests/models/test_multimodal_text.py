@@ -346,6 +346,7 @@ def test_unsupported_wrapper_lists_the_text_only_ones():
                                           r"Qwen3VLForConditionalGeneration, "
                                           r"Qwen3VLMoeForConditionalGeneration, "
                                           r"SmolVLMForConditionalGeneration; "
+                                          r"with audio input: Qwen2AudioForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Llama4ForConditionalGeneration$"):
         ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],

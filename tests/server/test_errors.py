@@ -113,7 +113,9 @@ def test_invalid_parameters(server, field, value, needle):
      "video_url content parts given, but this model (LlamaForCausalLM) takes no video input"),
     ({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
-     "content.0 has type 'input_audio': only text, image_url and video_url parts are supported"),
+     "input_audio content parts given, but this model (LlamaForCausalLM) takes no audio input"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]},
+     "content.0 has type 'file': only text, image_url, video_url, audio_url and input_audio parts"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "max_completion_tokens"),

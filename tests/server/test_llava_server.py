@@ -211,8 +211,10 @@ def test_llm_chat_takes_image_parts_as_the_server_does(llava_server, offline):
     with pytest.raises(ValueError, match="file:// URLs are read only under allowed_local_media_path"):
         offline.chat([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}], params)
-    with pytest.raises(ValueError, match="content part 0 has type 'input_audio'"):
+    with pytest.raises(ValueError, match="audio content parts given, but this model takes no audio input"):
         offline.chat([{"role": "user", "content": [{"type": "input_audio"}]}], params)
+    with pytest.raises(ValueError, match="content part 0 has type 'file'"):
+        offline.chat([{"role": "user", "content": [{"type": "file"}]}], params)
     assert offline.engine.kv_manager.num_free_blocks == offline.engine.kv_manager.num_usable_blocks
 
 
