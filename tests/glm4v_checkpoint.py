@@ -1,0 +1,109 @@
+"""Tiny random GLM-4.1V checkpoints (transformers' Glm4vForConditionalGeneration saved as fp32
+safetensors, a Glm4vImageProcessor's preprocessor_config.json beside them, and a tiny
+tokenizer with GLM's <|begin_of_image|> <|image|> <|end_of_image|> <|begin_of_video|>
+<|video|> <|end_of_video|> as special tokens and a GLM-4.1V-style chat template), for the
+model, engine and server tests.
+
+The tower: 14-pixel patches merged 2 x 2, images resized to multiples of 28 with at most
+28 x 28 x 24 pixels each (the processor's bounds count an image twice: 2 x that), so at most
+24 rows; 2 blocks, a 4 x 4 learned position table (image_size 56), sampled bicubically at
+every grid. The text model: GLM-4's layers, 2 heads of 32 (rotary on the first 16 dims: 8
+interleaved pairs), M-RoPE sections [2, 3, 3]."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MAX_PIXELS = 28 * 28 * 24  # per image (the processor's longest_edge is twice this)
+_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+             rms_norm_eps=1e-5, partial_rotary_factor=0.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                              "partial_rotary_factor": 0.5})
+_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+               image_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, rms_norm_eps=1e-5)
+SPECIALS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+            "<|end_of_video|>"]
+_IDS = ["image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id",
+        "video_token_id", "video_end_token_id"]
+# GLM-4.1V's chat template, shortened (its image / video parts as the published one writes them)
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif c['type'] == 'video' or 'video' in c %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None) -> Path:
+    """Save a tiny GLM-4.1V checkpoint under ``path``; ``text``: text_config fields over ours
+    (a wider model for the GPU's kernels)."""
+    import transformers
+
+    from tests.server.conftest import build_tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer(path, vocab_size=240)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [*SPECIALS, "[gMASK]", "<sop>", "<|user|>",
+                                                          "<|assistant|>", "<|system|>"]})
+    tok.chat_template = GLM_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    ids = dict(zip(_IDS, tok.convert_tokens_to_ids(SPECIALS), strict=True))
+    tc = {**_TEXT, **(text or {})}
+    config = transformers.Glm4vConfig(text_config=tc, vision_config={**_VISION, "out_hidden_size": tc["hidden_size"]},
+                                      eos_token_id=2, **ids)
+    torch.manual_seed(seed)
+    model = transformers.Glm4vForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5) if n.endswith("weight") else p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.2 if "language_model" in n or "lm_head" in n else 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    transformers.Glm4vImageProcessorPil(size={"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * MAX_PIXELS}
+                                        ).save_pretrained(path)
+    return path
+
+
+def hf_glm4v(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of the checkpoint at ``path``."""
+    import transformers
+
+    model = transformers.Glm4vForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_glm4v_greedy(model, ids: list[int], images: list | None, max_new_tokens: int,
+                    videos: list | None = None) -> list[int]:
+    """transformers' greedy generate on expanded ``ids`` with ``images`` (our QwenImage
+    objects: patches and grids; None: a text-only prompt) and ``videos`` (each a list of its
+    frame groups' QwenImages, in order: their patches concatenated, video_grid_thw (groups, h,
+    w)), EOS ignored: the new tokens. mm_token_type_ids as Glm4vProcessor makes them: 2 at
+    <|image|> inside <|begin_of_video|> ... <|end_of_video|>, 1 at the others."""
+    cfg = model.config
+    x = torch.tensor([ids])
+    kw: dict = {}
+    inside = (torch.cumsum(x == cfg.video_start_token_id, 1) > torch.cumsum(x == cfg.video_end_token_id, 1))
+    types = torch.zeros_like(x, dtype=torch.int32)
+    types[(x == cfg.image_token_id) & ~inside] = 1
+    types[(x == cfg.image_token_id) & inside] = 2
+    if images:
+        kw.update(pixel_values=torch.cat([im.patches for im in images]),
+                  image_grid_thw=torch.tensor([list(im.grid) for im in images]))
+    if videos:
+        kw.update(pixel_values_videos=torch.cat([g.patches for v in videos for g in v]),
+                  video_grid_thw=torch.tensor([[len(v), v[0].grid[1], v[0].grid[2]] for v in videos]))
+    if images or videos:
+        kw["mm_token_type_ids"] = types
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
