@@ -72,6 +72,18 @@ def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None) -> Pat
     return path
 
 
+_SHARED: dict[str, tuple[Path, object]] = {}
+
+
+def shared_glm4v(tmp_path_factory) -> tuple[Path, object]:
+    """One tiny checkpoint and transformers' fp32 model of it for the whole test session (the
+    model and engine tests read both, neither changes them)."""
+    if "tiny" not in _SHARED:
+        path = build_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))
+        _SHARED["tiny"] = (path, hf_glm4v(path))
+    return _SHARED["tiny"]
+
+
 def hf_glm4v(path: Path, dtype: torch.dtype = torch.float32):
     """transformers' model of the checkpoint at ``path``."""
     import transformers
@@ -83,11 +95,11 @@ def hf_glm4v(path: Path, dtype: torch.dtype = torch.float32):
 
 def hf_glm4v_greedy(model, ids: list[int], images: list | None, max_new_tokens: int,
                     videos: list | None = None) -> list[int]:
-    """transformers' greedy generate on expanded ``ids`` with ``images`` (our QwenImage
-    objects: patches and grids; None: a text-only prompt) and ``videos`` (each a list of its
-    frame groups' QwenImages, in order: their patches concatenated, video_grid_thw (groups, h,
-    w)), EOS ignored: the new tokens. mm_token_type_ids as Glm4vProcessor makes them: 2 at
-    <|image|> inside <|begin_of_video|> ... <|end_of_video|>, 1 at the others."""
+    """transformers' greedy generate on expanded ``ids`` with ``images`` and ``videos`` (our
+    QwenImage objects with patches and grids: pixel_values(_videos), image / video_grid_thw;
+    None: a text-only prompt), EOS ignored: the new tokens. mm_token_type_ids as
+    Glm4vProcessor makes them: 2 at <|image|> inside <|begin_of_video|> ... <|end_of_video|>,
+    1 at the others."""
     cfg = model.config
     x = torch.tensor([ids])
     kw: dict = {}
@@ -99,11 +111,26 @@ def hf_glm4v_greedy(model, ids: list[int], images: list | None, max_new_tokens: 
         kw.update(pixel_values=torch.cat([im.patches for im in images]),
                   image_grid_thw=torch.tensor([list(im.grid) for im in images]))
     if videos:
-        kw.update(pixel_values_videos=torch.cat([g.patches for v in videos for g in v]),
-                  video_grid_thw=torch.tensor([[len(v), v[0].grid[1], v[0].grid[2]] for v in videos]))
+        kw.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
+                  video_grid_thw=torch.tensor([list(v.grid) for v in videos]))
     if images or videos:
         kw["mm_token_type_ids"] = types
     with torch.no_grad():
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw)
     return out[0, len(ids):].tolist()
+
+
+def glm4v_processor(path: Path, monkeypatch):
+    """transformers' Glm4vProcessor over the checkpoint's tokenizer and Glm4vImageProcessorPil
+    (its video processor needs torchvision, absent here: the processor's class check is
+    skipped and a stand-in with the merge size given; its replace_video_token reads that
+    alone)."""
+    import types
+
+    import transformers
+
+    monkeypatch.setattr(transformers.Glm4vProcessor, "check_argument_for_proper_class", lambda self, n, a: type(a))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    return transformers.Glm4vProcessor(image_processor=transformers.Glm4vImageProcessorPil.from_pretrained(path),
+                                       tokenizer=tok, video_processor=types.SimpleNamespace(merge_size=2))
