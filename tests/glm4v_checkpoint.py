@@ -72,16 +72,23 @@ def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None) -> Pat
     return path
 
 
-_SHARED: dict[str, tuple[Path, object]] = {}
+_SHARED: dict[str, object] = {}
+
+
+def shared_glm4v_path(tmp_path_factory) -> Path:
+    """One tiny checkpoint for the whole test session (the model, engine, server and inspect
+    tests read it, none changes it)."""
+    if "path" not in _SHARED:
+        _SHARED["path"] = build_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))
+    return _SHARED["path"]  # type: ignore[return-value]
 
 
 def shared_glm4v(tmp_path_factory) -> tuple[Path, object]:
-    """One tiny checkpoint and transformers' fp32 model of it for the whole test session (the
-    model and engine tests read both, neither changes them)."""
-    if "tiny" not in _SHARED:
-        path = build_tiny_glm4v(tmp_path_factory.mktemp("glm4v"))
-        _SHARED["tiny"] = (path, hf_glm4v(path))
-    return _SHARED["tiny"]
+    """``shared_glm4v_path``'s checkpoint and transformers' fp32 model of it (made once)."""
+    path = shared_glm4v_path(tmp_path_factory)
+    if "hf" not in _SHARED:
+        _SHARED["hf"] = hf_glm4v(path)
+    return path, _SHARED["hf"]
 
 
 def hf_glm4v(path: Path, dtype: torch.dtype = torch.float32):

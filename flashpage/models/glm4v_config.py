@@ -6,7 +6,7 @@ Qwen2-VL's, models/glm4v.py runs it).
 Read from, as transformers 5.25's Glm4vConfig reads them:
 
 - ``text_config`` (Glm4vTextConfig's defaults under it; the top-level eos / tie / dtype over
-  it): GLM-4's layers (models/glm.py Glm4DecoderLayer: norms after attention and after the
+  it; or, a flat config, the top level itself): GLM-4's layers (models/glm.py Glm4DecoderLayer: norms after attention and after the
   MLP, the merged gate_up_proj), q / k / v always biased and head_dim always hidden_size /
   heads (Glm4vTextAttention reads neither attention_bias nor head_dim), rotary on
   interleaved pairs of the first ``partial_rotary_factor`` of each head (the published
@@ -78,11 +78,14 @@ def glm4v_text_config(d: dict[str, Any], arch: str, where: str) -> tuple[dict[st
     """A GLM-4.1V checkpoint's text model as a Glm4ForCausalLM config (module docstring), the
     ``where`` its errors name, and its M-RoPE sections."""
     tc = d.get("text_config")
+    if tc is None:  # a flat config: the text model's fields at the top level (as Qwen2-VL's files)
+        tc = {k: v for k, v in d.items() if k not in ("vision_config", *_TOKENS)}
     if not isinstance(tc, dict):
-        raise ConfigError(f"{where}: {arch} needs a text_config object (its language model's config), got {tc!r}")
-    tw = f"{where}: text_config"
+        raise ConfigError(f"{where}: {arch}'s text_config must be an object (its language model's config), "
+                          f"got {tc!r}")
+    tw = f"{where}: text_config" if "text_config" in d else where
     text_type = tc.get("model_type") or "glm4v_text"
-    if text_type != "glm4v_text":
+    if text_type != "glm4v_text" and "text_config" in d:
         raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in {arch} "
                           "(supported: glm4v_text)")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:

@@ -234,24 +234,31 @@ def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path):
     positions' per-token tables; CUDA graphs captured; the tower's rotary / RMSNorm / SiLU-mul
     kernels): tokens equal an eager engine's; against transformers on the GPU, teacher-forced
     on our tokens, our token is fp32's top one about as often as transformers' own bf16 top
-    token is (within 3 points, and at least 85%, as the Qwen2-VL test asks)."""
-    path = build_tiny_glm4v(tmp_path / "glm4v", text=dict(
-        num_attention_heads=4, num_key_value_heads=2, hidden_size=256, intermediate_size=512,
+    token is (within 3 points, and at least 85%, as the Qwen2-VL test asks; each request's
+    tokens up to one that is the image token, which transformers would take for an image
+    row)."""
+    path = build_tiny_glm4v(tmp_path / "glm4v", text=dict(  # GLM-4.1V's heads: 128 wide, 64 rotated
+        num_attention_heads=2, num_key_value_heads=1, hidden_size=256, intermediate_size=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
                          "partial_rotary_factor": 0.5}))
     hf = hf_glm4v(path).to("cuda")
     hf16 = hf_glm4v(path).to("cuda", torch.bfloat16)
 
+    # 24 requests of 16 tokens: the two agreements are estimates whose difference swings
+    # with few tokens (this model in bf16 on the CPU, over five sets of prompts: -4.1 to +5.2
+    # points over 96 tokens, -2.6 to +1.6 over 192; -1.3 and +1.4 over 384)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
     def run(**kw):
         llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
                   block_size=16, max_num_batched_tokens=64, **kw)
         enc = llm.engine.mm_encoder
-        cases = [_case(enc, 60 + i, i % 3) for i in range(6)]
-        return llm, cases, llm.generate(_prompts(cases), GREEDY, use_tqdm=False)
+        cases = [_case(enc, 60 + i, i % 3) for i in range(24)]
+        return llm, cases, llm.generate(_prompts(cases), params, use_tqdm=False)
 
     llm, cases, outs = run()
     assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
-    assert llm.engine.model_config.head_dim == 64 and llm.engine.model_config.rotary_dim == 32
+    assert llm.engine.model_config.head_dim == 128 and llm.engine.model_config.rotary_dim == 64
     graphed = _tokens(outs)
     assert graphed == _tokens(run(enforce_eager=True)[2])
     enc = llm.engine.mm_encoder
@@ -264,5 +271,5 @@ def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path):
                     image_grid_thw=torch.tensor([list(p.grid) for p in px]),
                     mm_token_type_ids=(x == enc.config.image_token_id).int())
 
-    assert_top_one_agreement("glm4v", hf, hf16, outs, mm_inputs)
+    assert_top_one_agreement("glm4v", hf, hf16, outs, mm_inputs, cut_at=(enc.config.image_token_id,))
     assert llm.engine.kv_manager.stats().blocks_used == 0

@@ -56,15 +56,16 @@ def test_config_reads_the_text_model_and_tower(tiny):
     assert type(vc).__name__ == "Glm4vVisionConfig" and vc.variant == "glm4v"
     assert (vc.num_position_embeddings, vc.rms_norm_eps, vc.attention_bias, vc.out_hidden_size) == (16, 1e-5, False, 64)
     assert (vc.processing.min_pixels, vc.processing.max_pixels) == (2 * 56 * 56, 2 * MAX_PIXELS)
-    # the published files' form: rope_scaling {"type": "default"} and partial_rotary_factor
-    # beside it in text_config, the text fields repeated at the top level
+    # the published files' form (transformers 4.5x's): rope_scaling {"type": "default"} and
+    # partial_rotary_factor beside it in text_config; and a flat config (no text_config)
     raw = json.loads((tiny / "config.json").read_text())
     tc = raw["text_config"]
     rope = tc.pop("rope_parameters")
     tc.update(rope_scaling={"type": "default", "mrope_section": rope["mrope_section"]},
               partial_rotary_factor=0.5, rope_theta=10000.0, attention_bias=True)
-    published = ModelConfig.from_hf({**tc, **raw, "model_type": "glm4v"})
+    published = ModelConfig.from_hf(json.loads(json.dumps(raw)))
     assert published == ModelConfig.from_hf(json.loads((tiny / "config.json").read_text()))
+    assert ModelConfig.from_hf({**tc, **{k: v for k, v in raw.items() if k != "text_config"}}) == published
     assert (published.rotary_dim, published.mrope_section) == (16, (2, 3, 3))
     # without a preprocessor_config.json: Glm4vImageProcessor's class defaults
     assert (published.vision.processing.min_pixels, published.vision.processing.max_pixels) == \
