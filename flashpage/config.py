@@ -149,6 +149,9 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # table interpolated bicubically per grid, a downsample conv, a gated merger):
     # models/glm4v_config.py, glm4v.py
     "Glm4vForConditionalGeneration": (("glm4v_text",), "glm4v_text", ("visual",)),
+    # GLM-4.5V: the same tower over GLM-4.5's MoE text model (Glm4MoeForCausalLM, rotary on
+    # halves)
+    "Glm4vMoeForConditionalGeneration": (("glm4v_moe_text",), "glm4v_moe_text", ("visual",)),
     # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
     # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model
     # (InternVL3.5's Qwen3-MoE and GPT-OSS ones too); its images too (models/internvl_config.py,
@@ -170,9 +173,9 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
                                    "Qwen2_5_VLForConditionalGeneration"}) | QWEN3_VL_ARCHITECTURES
-# GLM-4.1V: a QwenVisionConfig of its own (models/glm4v_config.Glm4vVisionConfig), M-RoPE
-# over GLM-4's interleaved pairs
-GLM4V_ARCHITECTURES = frozenset({"Glm4vForConditionalGeneration"})
+# GLM-4.1V / GLM-4.5V: a QwenVisionConfig of its own (models/glm4v_config.Glm4vVisionConfig),
+# M-RoPE over GLM-4's interleaved pairs (GLM-4.5V: GLM-4.5's halves)
+GLM4V_ARCHITECTURES = frozenset({"Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration"})
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
@@ -257,6 +260,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "glm4v": "Glm4vForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
     "internvl_chat": "InternVLChatModel",
     "idefics3": "Idefics3ForConditionalGeneration",

@@ -399,7 +399,7 @@ class LLM:
         if video_ids is None and video_text is None and _has_video_parts(conversation):
             # refused before any file is read
             raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 do)")
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL, SmolVLM2 and GLM-4.1V do)")
         conv, parts, images, videos = chat_images(conversation, self.engine.config.media_policy)
         if not images and not videos:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)

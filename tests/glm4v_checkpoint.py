@@ -40,9 +40,17 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None) -> Path:
+# GLM-4.5V's text model (Glm4vMoeForConditionalGeneration): a dense first layer, then 8 experts
+# of 24 in 2 groups (the best group kept), top-2, one shared expert, routed weights x 2
+_MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=2, topk_group=1, moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.0,
+            norm_topk_prob=True, head_dim=32)
+
+
+def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None, moe: bool = False) -> Path:
     """Save a tiny GLM-4.1V checkpoint under ``path``; ``text``: text_config fields over ours
-    (a wider model for the GPU's kernels)."""
+    (a wider model for the GPU's kernels); ``moe``: GLM-4.5V's (the routers' correction biases
+    random too)."""
     import transformers
 
     from tests.server.conftest import build_tiny_tokenizer
@@ -55,17 +63,22 @@ def build_tiny_glm4v(path: Path, seed: int = 0, text: dict | None = None) -> Pat
     tok.chat_template = GLM_CHAT_TEMPLATE
     tok.save_pretrained(path)
     ids = dict(zip(_IDS, tok.convert_tokens_to_ids(SPECIALS), strict=True))
-    tc = {**_TEXT, **(text or {})}
-    config = transformers.Glm4vConfig(text_config=tc, vision_config={**_VISION, "out_hidden_size": tc["hidden_size"]},
-                                      eos_token_id=2, **ids)
+    tc = {**_TEXT, **(_MOE if moe else {}), **(text or {})}
+    config_cls = transformers.Glm4vMoeConfig if moe else transformers.Glm4vConfig
+    config = config_cls(text_config=tc, vision_config={**_VISION, "out_hidden_size": tc["hidden_size"]},
+                        eos_token_id=2, **ids)
     torch.manual_seed(seed)
-    model = transformers.Glm4vForConditionalGeneration(config).float()
+    model_cls = transformers.Glm4vMoeForConditionalGeneration if moe else transformers.Glm4vForConditionalGeneration
+    model = model_cls(config).float()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5) if n.endswith("weight") else p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.2 if "language_model" in n or "lm_head" in n else 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     transformers.Glm4vImageProcessorPil(size={"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * MAX_PIXELS}
                                         ).save_pretrained(path)
@@ -92,10 +105,14 @@ def shared_glm4v(tmp_path_factory) -> tuple[Path, object]:
 
 
 def hf_glm4v(path: Path, dtype: torch.dtype = torch.float32):
-    """transformers' model of the checkpoint at ``path``."""
+    """transformers' model of the checkpoint at ``path`` (GLM-4.1V or GLM-4.5V, as its config
+    says)."""
+    import json
+
     import transformers
 
-    model = transformers.Glm4vForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=dtype, attn_implementation="eager")
     model.generation_config.eos_token_id = None
     return model.eval()
 

@@ -1,9 +1,10 @@
 """The config of a GLM-4.1V checkpoint (Glm4vForConditionalGeneration: GLM-4.1V-9B-Thinking,
-GLM-4.1V-9B-Base), read once: its text model as a GLM-4 config with M-RoPE sections, and its
-image side as a ``Glm4vVisionConfig`` (a QwenVisionConfig: the engine handles it as it does
-Qwen2-VL's, models/glm4v.py runs it).
+GLM-4.1V-9B-Base) or a GLM-4.5V one (Glm4vMoeForConditionalGeneration: the same tower over
+GLM-4.5's MoE text model), read once: its text model as a GLM-4 (GLM-4.5) config with M-RoPE
+sections, and its image side as a ``Glm4vVisionConfig`` (a QwenVisionConfig: the engine handles
+it as it does Qwen2-VL's, models/glm4v.py runs it).
 
-Read from, as transformers 5.25's Glm4vConfig reads them:
+Read from, as transformers 5.25's Glm4vConfig / Glm4vMoeConfig read them:
 
 - ``text_config`` (Glm4vTextConfig's defaults under it; the top-level eos / tie / dtype over
   it; or, a flat config, the top level itself): GLM-4's layers (models/glm.py Glm4DecoderLayer: norms after attention and after the
@@ -12,6 +13,10 @@ Read from, as transformers 5.25's Glm4vConfig reads them:
   interleaved pairs of the first ``partial_rotary_factor`` of each head (the published
   configs' 0.5 where none is given: transformers' 1.0 would not fit the default sections)
   split among (t, h, w) by ``mrope_section`` (rope_scaling / rope_parameters; [8, 12, 12]);
+  GLM-4.5V's (Glm4vMoeTextConfig's defaults): GLM-4.5's layers (models/glm.py: DeepSeek-V3's
+  sigmoid routing after ``first_k_dense_replace`` dense layers), q / k / v biased with
+  ``attention_bias`` (default true), ``head_dim`` where given, rotary on halves of the first
+  half of each head (Glm4vMoeTextRotaryEmbedding: the sections, then the frequencies twice);
 - ``vision_config`` (Glm4vVisionConfig's defaults): the tower's sizes, ``image_size`` /
   ``patch_size`` (the learned position table's side), ``rms_norm_eps``, ``attention_bias``
   (the qkv's), ``rope_parameters.rope_theta``;
@@ -45,11 +50,21 @@ _TEXT_DEFAULTS: dict[str, Any] = dict(
 _VISION_DEFAULTS: dict[str, Any] = dict(
     depth=24, hidden_size=1536, num_heads=12, intermediate_size=13_696, out_hidden_size=4096,
     image_size=336, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-# Glm4vConfig's token ids
+# Glm4vMoeTextConfig's
+_MOE_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151_424, hidden_size=4096, intermediate_size=10_944, num_hidden_layers=46,
+    num_attention_heads=96, num_key_value_heads=8, max_position_embeddings=65_536, rms_norm_eps=1e-5,
+    hidden_act="silu", attention_bias=True, moe_intermediate_size=1408, num_experts_per_tok=8,
+    n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+    first_k_dense_replace=1, norm_topk_prob=True)
+# Glm4vConfig's token ids (Glm4vMoeConfig's image / video tokens: 151363 / 151364)
 _TOKENS = dict(image_token_id=151_343, video_token_id=151_344, image_start_token_id=151_339,
                image_end_token_id=151_340, video_start_token_id=151_341, video_end_token_id=151_342)
+_MOE_TOKENS = {**_TOKENS, "image_token_id": 151_363, "video_token_id": 151_364}
+MOE_ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
+# (neither text model has q / k norms, whatever use_qk_norm says)
 _NOT_TEXT = ("rope_scaling", "rope_parameters", "model_type", "architectures", "head_dim",
-             "attention_bias", "quantization_config")
+             "attention_bias", "quantization_config", "use_qk_norm")
 # Glm4vImageProcessor's class defaults (size shortest_edge / longest_edge) and
 # Glm4vVideoProcessor's
 IMAGE_BOUNDS = (112 * 112, 28 * 28 * 15_000)
@@ -75,8 +90,11 @@ def _int(v: Any) -> bool:
 
 
 def glm4v_text_config(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str, Any], str, tuple[int, ...]]:
-    """A GLM-4.1V checkpoint's text model as a Glm4ForCausalLM config (module docstring), the
-    ``where`` its errors name, and its M-RoPE sections."""
+    """A GLM-4.1V checkpoint's text model as a Glm4ForCausalLM config (GLM-4.5V's as a
+    Glm4MoeForCausalLM one; module docstring), the ``where`` its errors name, and its M-RoPE
+    sections."""
+    moe = arch == MOE_ARCHITECTURE
+    want_type = "glm4v_moe_text" if moe else "glm4v_text"
     tc = d.get("text_config")
     if tc is None:  # a flat config: the text model's fields at the top level (as Qwen2-VL's files)
         tc = {k: v for k, v in d.items() if k not in ("vision_config", *_TOKENS)}
@@ -84,10 +102,10 @@ def glm4v_text_config(d: dict[str, Any], arch: str, where: str) -> tuple[dict[st
         raise ConfigError(f"{where}: {arch}'s text_config must be an object (its language model's config), "
                           f"got {tc!r}")
     tw = f"{where}: text_config" if "text_config" in d else where
-    text_type = tc.get("model_type") or "glm4v_text"
-    if text_type != "glm4v_text" and "text_config" in d:
+    text_type = tc.get("model_type") or want_type
+    if text_type != want_type and "text_config" in d:
         raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in {arch} "
-                          "(supported: glm4v_text)")
+                          f"(supported: {want_type})")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
         raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not read yet; "
                           "the 16-bit checkpoint is, and --quantization fp8 / int4 quantizes its text "
@@ -101,17 +119,25 @@ def glm4v_text_config(d: dict[str, Any], arch: str, where: str) -> tuple[dict[st
     section = _positive_ints(rope.get("mrope_section", [8, 12, 12]), "mrope_section", tw)
     if len(section) != 3:
         raise ConfigError(f"{tw}: mrope_section must be 3 counts (t, h, w), got {list(section)}")
-    text = {**_TEXT_DEFAULTS, **{k: v for k, v in tc.items() if k not in _NOT_TEXT}}
+    text = {**(_MOE_TEXT_DEFAULTS if moe else _TEXT_DEFAULTS),
+            **{k: v for k, v in tc.items() if k not in _NOT_TEXT}}
     heads: Any = text.get("num_attention_heads")
     width: Any = text.get("hidden_size")
-    if _int(heads) and _int(width) and heads > 0 and width % heads:
-        raise ConfigError(f"{tw}: hidden_size {width} is not a multiple of num_attention_heads {heads} "
-                          "(GLM-4.1V's heads are hidden_size / num_attention_heads wide)")
-    text.update(model_type="glm4", architectures=["Glm4ForCausalLM"], attention_bias=True,
+    head_dim = tc.get("head_dim") if moe else None  # (Glm4vTextAttention reads none)
+    if head_dim is None and _int(heads) and _int(width) and heads > 0:
+        if width % heads:
+            raise ConfigError(f"{tw}: hidden_size {width} is not a multiple of num_attention_heads {heads} "
+                              f"({arch}'s heads are hidden_size / num_attention_heads wide without a head_dim)")
+        head_dim = width // heads
+    if "num_local_experts" in text:  # transformers 5's name
+        text["n_routed_experts"] = text.pop("num_local_experts")
+    family = "glm4_moe" if moe else "glm4"
+    text.update(model_type=family, architectures=["Glm4MoeForCausalLM" if moe else "Glm4ForCausalLM"],
+                attention_bias=tc.get("attention_bias", True) if moe else True,
                 rope_theta=tc.get("rope_theta", rope.get("rope_theta", 10_000.0)),
                 partial_rotary_factor=tc.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5)))
-    if _int(heads) and _int(width) and heads > 0:
-        text["head_dim"] = width // heads
+    if head_dim is not None:
+        text["head_dim"] = head_dim
     for key in _TOP_LEVEL_FIELDS:
         if d.get(key) is not None:
             text[key] = d[key]
@@ -155,7 +181,7 @@ def glm4v_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise ConfigError(f"{w}.rope_parameters.rope_theta must be a positive number, got {theta!r}")
     tokens = {}
-    for key, default in _TOKENS.items():
+    for key, default in (_MOE_TOKENS if arch == MOE_ARCHITECTURE else _TOKENS).items():
         t = d.get(key, default)
         if not _int(t) or t < 0:
             raise ConfigError(f"{where}: {key} must be a token id, got {t!r}")

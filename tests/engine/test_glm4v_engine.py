@@ -131,6 +131,16 @@ def test_video_frame_groups_equal_transformers(glm, monkeypatch):
                        GREEDY, use_tqdm=False)
     assert "1 video token(s) (<|video|>" in bad[0].error and "0 video(s)" in bad[0].error
     assert "0 video token(s)" in bad[1].error and "<|begin_of_video|><|video|><|end_of_video|>" in bad[1].error
+    # LLM.chat's video part (frames without metadata: 24 fps, every group at 0 s) where the
+    # template puts it
+    conv = [{"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "fox"}]}]
+    chat = llm.chat(conv, GREEDY, use_tqdm=False)[0]
+    got = chat.prompt_token_ids
+    at = got.index(vc.video_start_token_id)
+    zero = tok.encode("0", add_special_tokens=False)
+    group = [vc.vision_start_token_id, *[vc.image_token_id] * 6, vc.vision_end_token_id, *zero]
+    assert got[at:at + 2 + 3 * len(group)] == [vc.video_start_token_id, *group * 3, vc.video_end_token_id]
+    assert _tokens([chat])[0] == _want(hf, llm, chat, videos=[frames])
 
 
 def test_prefix_cache_hits_on_a_repeated_image(glm, monkeypatch):
@@ -214,6 +224,24 @@ def test_llm_chat_places_images_as_glms_template(glm):
     assert _tokens([out])[0] == _want(hf, llm, out, [img])
 
 
+def test_glm45v_moe_images_and_text_equal_transformers(tmp_path):
+    """GLM-4.5V (Glm4vMoeForConditionalGeneration): the same tower over GLM-4.5's MoE text
+    model (a dense first layer, then sigmoid-routed experts in groups with a correction bias
+    and a shared expert; M-RoPE on halves): one image, two of different sizes and a text-only
+    prompt in one batch, transformers' tokens."""
+    path = build_tiny_glm4v(tmp_path / "glm45v", moe=True)
+    hf = hf_glm4v(path)
+    llm = _llm(path)
+    mc = llm.engine.model_config
+    assert (mc.architecture, mc.rope_interleaved, mc.n_routed_experts, mc.first_k_dense_replace) == \
+        ("Glm4MoeForCausalLM", False, 8, 1)
+    enc = llm.engine.mm_encoder
+    cases = [_case(enc, 3, 1), _case(enc, 1, 2), _case(enc, 2, 0)]
+    outs = llm.generate(_prompts(cases), GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [_want(hf, llm, o, ims) for o, (_, ims) in zip(outs, cases, strict=True)]
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
 def test_triton_backend_fused_rotary_in_the_interpreter(glm):
     """The triton backend (its rotary fused with the K/V write on interleaved pairs, 3-D
     positions as a per-token cos / sin table) on the CPU's interpreter: an image request cut
@@ -229,24 +257,25 @@ def test_triton_backend_fused_rotary_in_the_interpreter(glm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path):
-    """bf16 on CUDA (triton backend: the fused rotary on interleaved pairs with 3-D
-    positions' per-token tables; CUDA graphs captured; the tower's rotary / RMSNorm / SiLU-mul
-    kernels): tokens equal an eager engine's; against transformers on the GPU, teacher-forced
-    on our tokens, our token is fp32's top one about as often as transformers' own bf16 top
-    token is (within 3 points, and at least 85%, as the Qwen2-VL test asks; each request's
-    tokens up to one that is the image token, which transformers would take for an image
-    row)."""
-    path = build_tiny_glm4v(tmp_path / "glm4v", text=dict(  # GLM-4.1V's heads: 128 wide, 64 rotated
-        num_attention_heads=2, num_key_value_heads=1, hidden_size=256, intermediate_size=512,
+@pytest.mark.parametrize("moe", [False, True], ids=["glm4.1v", "glm4.5v"])
+def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path, moe):
+    """bf16 on CUDA (triton backend: the fused rotary with 3-D positions' per-token tables,
+    on interleaved pairs for GLM-4.1V, halves for GLM-4.5V's MoE text model; CUDA graphs
+    captured; the tower's rotary / RMSNorm / SiLU-mul kernels): tokens equal an eager
+    engine's; against transformers on the GPU, teacher-forced on our tokens, our token is
+    fp32's top one about as often as transformers' own bf16 top token is (within 3 points,
+    and at least 85%, as the Qwen2-VL test asks; each request's tokens up to one that is the
+    image token, which transformers would take for an image row)."""
+    path = build_tiny_glm4v(tmp_path / "glm4v", moe=moe, text=dict(  # GLM-4.1V's heads: 128 wide, 64 rotated
+        num_attention_heads=2, num_key_value_heads=1, hidden_size=256, intermediate_size=512, head_dim=128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
-                         "partial_rotary_factor": 0.5}))
+                         "partial_rotary_factor": 0.5}, **(dict(moe_intermediate_size=64) if moe else {})))
     hf = hf_glm4v(path).to("cuda")
     hf16 = hf_glm4v(path).to("cuda", torch.bfloat16)
 
     # 24 requests of 16 tokens: the two agreements are estimates whose difference swings
-    # with few tokens (this model in bf16 on the CPU, over five sets of prompts: -4.1 to +5.2
-    # points over 96 tokens, -2.6 to +1.6 over 192; -1.3 and +1.4 over 384)
+    # with few tokens (GLM-4.1V's model in bf16 on the CPU, over five sets of prompts: -4.1
+    # to +5.2 points over 96 tokens, -2.6 to +1.6 over 192; -1.3 and +1.4 over 384)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run(**kw):
@@ -258,7 +287,8 @@ def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path):
 
     llm, cases, outs = run()
     assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
-    assert llm.engine.model_config.head_dim == 128 and llm.engine.model_config.rotary_dim == 64
+    mc = llm.engine.model_config
+    assert (mc.head_dim, mc.rotary_dim, mc.rope_interleaved) == (128, 64, not moe)
     graphed = _tokens(outs)
     assert graphed == _tokens(run(enforce_eager=True)[2])
     enc = llm.engine.mm_encoder
@@ -271,5 +301,6 @@ def test_glm4v_on_the_gpu_with_graphs_bf16(tmp_path):
                     image_grid_thw=torch.tensor([list(p.grid) for p in px]),
                     mm_token_type_ids=(x == enc.config.image_token_id).int())
 
-    assert_top_one_agreement("glm4v", hf, hf16, outs, mm_inputs, cut_at=(enc.config.image_token_id,))
+    assert_top_one_agreement("glm4.5v" if moe else "glm4.1v", hf, hf16, outs, mm_inputs,
+                             cut_at=(enc.config.image_token_id,))
     assert llm.engine.kv_manager.stats().blocks_used == 0
