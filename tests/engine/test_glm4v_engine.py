@@ -206,6 +206,26 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(glm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_mm_processor_kwargs_size_bounds_the_pixels(glm):
+    """vLLM's mm_processor_kwargs in transformers' form, {"size": {"shortest_edge",
+    "longest_edge"}}, read as Glm4vImageProcessor reads them (over the image as 2 frames): an
+    84 x 130 image (15 rows at the checkpoint's bounds) under 2 x 56 x 84 pixels is resized
+    to 28 x 84, 3 rows, as Glm4vImageProcessorPil with that size makes it; transformers' tokens
+    on those patches."""
+    import transformers
+
+    path, hf = glm
+    size = {"shortest_edge": 2 * 28 * 28, "longest_edge": 2 * 56 * 84}
+    small = _llm(path, mm_processor_kwargs={"size": size})
+    enc = small.engine.mm_encoder
+    ids, (img,) = _case(enc, 0, 1)
+    out = small.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
+                         use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(enc.config.image_token_id) == 3
+    assert transformers.Glm4vImageProcessorPil(size=size)(img)["image_grid_thw"][0].tolist() == [1, 2, 6]
+    assert _tokens([out])[0] == _want(hf, small, out, [img])
+
+
 def test_llm_chat_places_images_as_glms_template(glm):
     """LLM.chat with an image_pil part: <|begin_of_image|><|image|> x rows <|end_of_image|>
     where the part is, the tokens transformers'."""
