@@ -145,6 +145,14 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # (models/llama.py's routed experts; the checkpoint's fused expert tensors:
     # models/multimodal.qwen3_vl_moe_experts)
     "Qwen3VLMoeForConditionalGeneration": (("qwen3_vl_moe_text",), "qwen3_vl_moe_text", ("visual",)),
+    # GLM-4.1V (GLM-4.1V-9B-Thinking / Base): Qwen2-VL's design (M-RoPE, a 2-D rotary ViT
+    # with a patch merger) with GLM-4's text layers and its own tower (a learned position
+    # table interpolated bicubically per grid, a downsample conv, a gated merger):
+    # models/glm4v_config.py, glm4v.py
+    "Glm4vForConditionalGeneration": (("glm4v_text",), "glm4v_text", ("visual",)),
+    # GLM-4.5V: the same tower over GLM-4.5's MoE text model (Glm4MoeForCausalLM, rotary on
+    # halves)
+    "Glm4vMoeForConditionalGeneration": (("glm4v_moe_text",), "glm4v_moe_text", ("visual",)),
     # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
     # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model
     # (InternVL3.5's Qwen3-MoE and GPT-OSS ones too); its images too (models/internvl_config.py,
@@ -170,6 +178,9 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
                                    "Qwen2_5_VLForConditionalGeneration"}) | QWEN3_VL_ARCHITECTURES
+# GLM-4.1V / GLM-4.5V: a QwenVisionConfig of its own (models/glm4v_config.Glm4vVisionConfig),
+# M-RoPE over GLM-4's interleaved pairs (GLM-4.5V: GLM-4.5's halves)
+GLM4V_ARCHITECTURES = frozenset({"Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration"})
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
@@ -179,7 +190,8 @@ IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForC
                                  "Gemma3ForConditionalGeneration",
                                  "InternVLForConditionalGeneration", "InternVLChatModel",
                                  "Idefics3ForConditionalGeneration",
-                                 "SmolVLMForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+                                 "SmolVLMForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES \
+    | GLM4V_ARCHITECTURES
 # the wrappers whose audio we run (ModelConfig.audio)
 AUDIO_ARCHITECTURES = frozenset({"Qwen2AudioForConditionalGeneration"})
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
@@ -254,6 +266,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
     "internvl_chat": "InternVLChatModel",
     "idefics3": "Idefics3ForConditionalGeneration",
@@ -2490,21 +2504,28 @@ class QwenVisionConfig:
 _QWEN_VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
 
 
-def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -> QwenImageProcessing:
+_QWEN_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
+                          "Qwen2_5_VLImageProcessor")
+
+
+def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str,
+                           kinds: tuple[str, ...] = _QWEN_IMAGE_PROCESSORS,
+                           bounds: tuple[int, int] = (56 * 56, 28 * 28 * 1280)) -> QwenImageProcessing:
     """The folder's preprocessor_config.json (Qwen2VLImageProcessor's fields: min_pixels /
     max_pixels or size {shortest_edge, longest_edge}; transformers' defaults for those it
-    leaves out), checked against the tower's patch sizes."""
+    leaves out), checked against the tower's patch sizes. ``kinds``: the image_processor_type
+    names read (the first the default), ``bounds``: the class's default pixel bounds
+    (GLM-4.1V's Glm4vImageProcessor: models/glm4v_config.py)."""
     path = os.path.join(folder, "preprocessor_config.json") if folder else None
     pc = _json_object(path) if path is not None and os.path.isfile(path) else {}
     where = path or where
-    kind = pc.get("image_processor_type", "Qwen2VLImageProcessor")
-    if kind not in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
-                    "Qwen2_5_VLImageProcessor"):
-        raise ConfigError(f"{where}: image_processor_type {kind!r} is not read (Qwen2VLImageProcessor is)")
+    kind = pc.get("image_processor_type", kinds[0])
+    if kind not in kinds:
+        raise ConfigError(f"{where}: image_processor_type {kind!r} is not read ({kinds[0]} is)")
     raw_size = pc.get("size")
     size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-    lo: Any = pc.get("min_pixels", size.get("shortest_edge", 56 * 56))
-    hi: Any = pc.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", bounds[0]))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", bounds[1]))
     for key, v in (("min_pixels", lo), ("max_pixels", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{where}: {key} must be a positive int, got {v!r}")
@@ -2529,12 +2550,14 @@ QWEN3_VIDEO_MIN_PIXELS = 128 * 32 * 32
 QWEN3_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
-def _qwen_video_processing(folder: str | None, where: str, v3: bool = False) -> QwenImageProcessing:
+def _qwen_video_processing(folder: str | None, where: str, v3: bool = False,
+                           bounds: tuple[int, int] | None = None) -> QwenImageProcessing:
     """Qwen2VLVideoProcessor's settings as transformers finds them: processor_config.json's
     "video_processor", else video_preprocessor_config.json, else (older checkpoints)
     preprocessor_config.json; its min_pixels / max_pixels or size {shortest_edge,
     longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out. ``v3``:
-    Qwen3VLVideoProcessor's (QWEN3_VIDEO_* and mean / std 0.5 by default)."""
+    Qwen3VLVideoProcessor's (QWEN3_VIDEO_* and mean / std 0.5 by default). ``bounds``: other
+    default bounds (GLM-4.1V's Glm4vVideoProcessor: CLIP's mean / std)."""
     pc: dict[str, Any] = {}
     if folder:
         proc = os.path.join(folder, "processor_config.json")
@@ -2549,8 +2572,11 @@ def _qwen_video_processing(folder: str | None, where: str, v3: bool = False) -> 
                     break
     raw_size = pc.get("size")
     size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN3_VIDEO_MIN_PIXELS if v3 else QWEN_VIDEO_MIN_PIXELS))
-    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN3_VIDEO_MAX_PIXELS if v3 else QWEN_VIDEO_MAX_PIXELS))
+    if bounds is None:
+        bounds = (QWEN3_VIDEO_MIN_PIXELS, QWEN3_VIDEO_MAX_PIXELS) if v3 else \
+            (QWEN_VIDEO_MIN_PIXELS, QWEN_VIDEO_MAX_PIXELS)
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", bounds[0]))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", bounds[1]))
     if v3:
         pc = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, **pc}
     for key, v in (("video min_pixels", lo), ("video max_pixels", hi)):
@@ -2938,6 +2964,17 @@ class ModelConfig:
                                   f"decoder layer) but the text model has {cfg.num_hidden_layers} layers")
             return replace(cfg, multimodal_architecture=arch, mrope_section=section,
                            mrope_interleaved=arch in QWEN3_VL_ARCHITECTURES, vision=qv)
+        if arch in GLM4V_ARCHITECTURES:
+            from flashpage.models.glm4v_config import glm4v_text_config, glm4v_vision_config_of
+
+            text, text_where, section = glm4v_text_config(d, arch, where)
+            cfg = ModelConfig._from_dict(text, text_where, folder)
+            if 2 * sum(section) != cfg.rotary_dim:
+                raise ConfigError(f"{text_where}: mrope_section {list(section)} sums to "
+                                  f"{sum(section)}, not half the rotary width ({cfg.rotary_dim} / 2: "
+                                  "head_dim x partial_rotary_factor)")
+            return replace(cfg, multimodal_architecture=arch, mrope_section=section,
+                           vision=glm4v_vision_config_of(d, arch, where, folder, cfg.hidden_size))
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
             vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \

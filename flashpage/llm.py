@@ -401,7 +401,7 @@ class LLM:
         if video_ids is None and video_text is None and _has_parts(conversation, ("video", "video_url")):
             # refused before any file is read
             raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 do)")
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL, SmolVLM2 and GLM-4.1V do)")
         takes_audio = getattr(encoder, "modality", "image") == "audio"
         if not takes_audio and _has_parts(conversation, ("audio_url", "input_audio")):
             raise ValueError("audio content parts given, but this model takes no audio input (Qwen2-Audio does)")

@@ -444,18 +444,22 @@ def bf16_teacher_forced_hits(path: Path, prompts: list[list[int]], truth: list[l
     return ours, hf_hits
 
 
-def assert_top_one_agreement(label: str, hf, hf16, outs, mm_inputs) -> None:
+def assert_top_one_agreement(label: str, hf, hf16, outs, mm_inputs, cut_at: tuple[int, ...] = ()) -> None:
     """Teacher-forced on our greedy tokens (``outs``, every request done): our token is
     transformers' fp32 top one (``hf``) about as often as its own bf16 top token is
     (``hf16``): within 3 points, and at least 85%. A tiny random model's near ties flip
     under bf16 rounding either way, while a wrong position, rotary or image row costs far
     more agreement. ``mm_inputs(i, x)``: the i-th request's extra forward inputs (its pixel
     values, grids, token types) for ids ``x`` on CUDA; any "pixel_values*" goes bf16 for
-    ``hf16``. The VLM GPU tests' shared check."""
+    ``hf16``. ``cut_at``: ids a request's tokens are compared up to, the first of them included
+    (a random model may emit its image token, which transformers, fed it back, would count
+    as one more image row). The VLM GPU tests' shared check."""
     ours_top: list[bool] = []
     bf16_top: list[bool] = []
     gaps: list[float] = []
     for i, (o, got) in enumerate(zip(outs, ok_tokens(outs), strict=True)):
+        cut = [j for j, t in enumerate(got) if t in cut_at]
+        got = got[:cut[0] + 1] if cut else got
         n = len(o.prompt_token_ids)
         x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
         kw = {k: v.to("cuda") for k, v in mm_inputs(i, x).items()}

@@ -1,7 +1,7 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
 preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Mistral3, Gemma 3, InternVL, Idefics3 and SmolVLM checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
+Mistral3, Gemma 3, InternVL, Idefics3, SmolVLM and GLM-4.1V checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flashpage import LLM
 from flashpage.config import ModelConfig
 from flashpage.inspect import inspect_config, main, parse_image_size
 from tests.gemma3_checkpoint import build_tiny_gemma3
+from tests.glm4v_checkpoint import build_tiny_glm4v, hf_glm4v
 from tests.idefics3_checkpoint import build_tiny_idefics3
 from tests.internvl_checkpoint import build_tiny_internvl
 from tests.llava_checkpoint import build_tiny_llava
@@ -38,6 +39,7 @@ BUILDERS = {
     "internvl": build_tiny_internvl,
     "idefics3": build_tiny_idefics3,
     "smolvlm": lambda p: build_tiny_idefics3(p, smolvlm=True, splitting=False),
+    "glm4v": build_tiny_glm4v,
 }
 
 
@@ -78,6 +80,8 @@ def test_tower_parameters_and_bytes(tiny):
         from tests.qwen2_vl_checkpoint import hf_qwen
 
         want = sum(p.numel() for p in hf_qwen(path, name).model.visual.parameters())
+    elif name == "glm4v":  # (its blocks' and merger's gate / up fused and padded too)
+        want = sum(p.numel() for p in hf_glm4v(path).model.visual.parameters())
     else:
         want = sum(p.numel() for p in llm.engine.mm_encoder.parameters())
     assert info["vision"]["params"] == want
@@ -114,6 +118,21 @@ def test_published_qwen3_vl():
     assert info["vision"]["image_tokens"] == (1024 // 32) * (768 // 32)
     assert info["vision"]["params"] == 415_347_712
     assert info["param_count"] == 4_022_468_096  # the text model (Qwen3, tied): transformers' too
+
+
+def test_published_glm4v():
+    """GLM-4.1V-9B-Thinking's config.json and preprocessor_config.json: a 1024 x 768 image is
+    37 x 27 merged units of 28 pixels (under max_pixels counted as two frames); the tower and
+    the text model are transformers' 892,498,432 and 9,400,279,040 parameters (its
+    meta-device model's counts); rotary on 64 of each head's 128 dims."""
+    info = inspect_config(ModelConfig.from_hf(str(ROOT / "benchmarks" / "configs" / "glm-4.1v-9b-thinking")),
+                          80 << 30, image_size=(1024, 768))
+    assert info["multimodal_architecture"] == "Glm4vForConditionalGeneration"
+    assert info["vision"]["image_tokens"] == 37 * 27
+    assert info["vision"]["params"] == 892_498_432
+    assert info["param_count"] == 9_400_279_040
+    assert (info["head_dim"], info["rotary_dim"], info["rotary_interleaved"]) == (128, 64, True)
+    assert info["kv_bytes_per_token"] == 40 * 2 * 2 * 128 * 2  # 40 layers, K and V of 2 heads, bf16
 
 
 def test_cli_image_size(capsys):

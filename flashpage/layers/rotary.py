@@ -200,12 +200,16 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     ``interleaved`` (Qwen3-VL): pair i turns by component i % 3 while that component has
     pairs of its section left (pairs 1, 4, ... < 3 x section[1] by h; 2, 5, ... < 3 x
-    section[2] by w), by t otherwise: [24, 20, 20] gives t h w t h w ... then t t t t."""
+    section[2] by w), by t otherwise: [24, 20, 20] gives t h w t h w ... then t t t t.
+
+    ``is_neox`` False (GLM-4.1V): the rotated pairs are neighbours (x[2i], x[2i + 1]) rather
+    than halves, pair i still turned by its section's component (transformers'
+    Glm4vTextRotaryEmbedding: the sections cut the frequencies, then repeat_interleave)."""
 
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
                  section: tuple[int, ...], scaling: RopeScaling | None = None,
-                 interleaved: bool = False) -> None:
-        super().__init__(head_dim, rot_dim, max_positions, base, scaling, is_neox=True)
+                 interleaved: bool = False, is_neox: bool = True) -> None:
+        super().__init__(head_dim, rot_dim, max_positions, base, scaling, is_neox=is_neox)
         if len(section) != 3 or 2 * sum(section) != rot_dim:
             raise ValueError(f"mrope_section {list(section)} must be 3 counts summing to "
                              f"{rot_dim // 2} (the rotated pairs)")
@@ -241,7 +245,8 @@ def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) 
     neox = not config.rope_interleaved
     if config.mrope_section:
         return MRotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
-                                config.mrope_section, config.rope_scaling, config.mrope_interleaved)
+                                config.mrope_section, config.rope_scaling, config.mrope_interleaved,
+                                is_neox=neox)
     if (layer is not None and config.rope_local_theta is not None
             and config.layer_types[layer] == "sliding_attention"):
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,

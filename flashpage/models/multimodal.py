@@ -4,10 +4,11 @@ LlavaForConditionalGeneration / LlavaNextForConditionalGeneration /
 LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration /
 Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration /
 Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration,
-Gemma3ForConditionalGeneration, InternVLForConditionalGeneration / InternVLChatModel and
-Idefics3ForConditionalGeneration / SmolVLMForConditionalGeneration, whose images
+Gemma3ForConditionalGeneration, InternVLForConditionalGeneration / InternVLChatModel,
+Idefics3ForConditionalGeneration / SmolVLMForConditionalGeneration and
+Glm4vForConditionalGeneration, whose images
 models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py, models/pixtral.py,
-models/gemma3_vision.py, models/internvl.py and models/idefics3.py run beside them; and
+models/gemma3_vision.py, models/internvl.py, models/idefics3.py and models/glm4v.py run beside them; and
 Qwen2AudioForConditionalGeneration, whose audio models/qwen2_audio.py runs).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
@@ -70,6 +71,7 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision",
                  "InternVLVisionConfig": "internvl", "Idefics3VisionConfig": "idefics3",
+                 "Glm4vVisionConfig": "glm4v",
                  # an audio config (ModelConfig.audio): its encoder's module, loaded the same way
                  "Qwen2AudioConfig": "qwen2_audio"}
 
@@ -254,6 +256,10 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
         from flashpage.models.qwen2_vl import QwenImageEncoder
 
         return QwenImageEncoder(vc)
+    if module == "glm4v":
+        from flashpage.models.glm4v import Glm4vImageEncoder
+
+        return Glm4vImageEncoder(vc)
     if module == "llava":
         from flashpage.models.llava import encoder_class
 

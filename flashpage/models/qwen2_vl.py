@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage.config import QwenVisionConfig
+from flashpage.config import QwenImageProcessing, QwenVisionConfig
 from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
@@ -57,6 +57,7 @@ from flashpage.models.qwen2_vl_image import normalize, resize, resize_video
 from flashpage.models.qwen2_vl_video import DEFAULT_FPS, read_video
 
 if TYPE_CHECKING:
+    from flashpage.models.glm4v import Glm4vVisionTower
     from flashpage.models.loader import ModelSource
     from flashpage.models.qwen3_vl import Qwen3VisionTower
 
@@ -155,13 +156,38 @@ class Rope:
     table: torch.Tensor | None = None
     index: torch.Tensor | None = None
 
+    @staticmethod
+    def of(cos: torch.Tensor, sin: torch.Tensor, kernels: bool) -> Rope:
+        """The tables, with the rotary kernel's where it runs (``kernels``: on CUDA)."""
+        rope = Rope(cos, sin)
+        if kernels:
+            half = cos.shape[1] // 2
+            rope.table = torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()
+            rope.index = torch.arange(cos.shape[0], device=cos.device)
+        return rope
+
+
+def frame_segments(grids: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The patches of ``grids`` in turn cut where attention stops: (start, length) of each
+    image, or each grid step t of a video (transformers' cu_seqlens: h x w repeated t times)."""
+    out = []
+    at = 0
+    for t, h, w in grids:
+        for _ in range(t):
+            out.append((at, h * w))
+            at += h * w
+    return out
+
 
 class VisionAttention(nn.Module):
-    def __init__(self, vc: QwenVisionConfig) -> None:
+    """``qkv_bias`` / ``proj_bias``: whether the projections have biases (Qwen's both;
+    GLM-4.1V's per its config / never)."""
+
+    def __init__(self, vc: QwenVisionConfig, qkv_bias: bool = True, proj_bias: bool = True) -> None:
         super().__init__()
         self.num_heads = vc.num_heads
-        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
-        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
+        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size, bias=qkv_bias)
+        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size, bias=proj_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, segments: list[tuple[int, int]]) -> torch.Tensor:
         n = x.shape[0]
@@ -191,14 +217,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionGatedMLP(nn.Module):
-    """Qwen2.5-VL's: down(act(gate(x)) * up(x)), each with a bias."""
+    """Qwen2.5-VL's: down(act(gate(x)) * up(x)), each with a bias (GLM-4.1V's without:
+    ``bias``), ``dim`` -> ``inter`` -> ``dim``."""
 
-    def __init__(self, vc: QwenVisionConfig) -> None:
+    def __init__(self, dim: int, inter: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(vc.hidden_size, vc.intermediate_size)
-        self.up_proj = nn.Linear(vc.hidden_size, vc.intermediate_size)
-        self.down_proj = nn.Linear(vc.intermediate_size, vc.hidden_size)
-        self.act = _act(vc.hidden_act)
+        self.gate_proj = nn.Linear(dim, inter, bias=bias)
+        self.up_proj = nn.Linear(dim, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, dim, bias=bias)
+        self.act = _act(act)
 
         # set by fuse(): gate and up as one GEMM of a width padded to a multiple of 64
         self.gate_up_proj: nn.Linear | None = None
@@ -212,14 +239,16 @@ class VisionGatedMLP(nn.Module):
         i = self.gate_proj.out_features
         pad = -i % multiple
         w = torch.cat([F.pad(self.gate_proj.weight, (0, 0, 0, pad)), F.pad(self.up_proj.weight, (0, 0, 0, pad))])
-        b = torch.cat([F.pad(self.gate_proj.bias, (0, pad)), F.pad(self.up_proj.bias, (0, pad))])
-        gate_up = nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+        bias = self.gate_proj.bias is not None
+        gate_up = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
         gate_up.weight.copy_(w)
-        gate_up.bias.copy_(b)
+        if bias:
+            gate_up.bias.copy_(torch.cat([F.pad(self.gate_proj.bias, (0, pad)), F.pad(self.up_proj.bias, (0, pad))]))
         self.gate_up_proj = gate_up
-        down = nn.Linear(i + pad, self.down_proj.out_features, device=w.device, dtype=w.dtype)
+        down = nn.Linear(i + pad, self.down_proj.out_features, bias=bias, device=w.device, dtype=w.dtype)
         down.weight.copy_(F.pad(self.down_proj.weight, (0, pad)))
-        down.bias.copy_(self.down_proj.bias)
+        if bias:
+            down.bias.copy_(self.down_proj.bias)
         self.down_proj = down
         del self.gate_proj, self.up_proj
 
@@ -236,12 +265,17 @@ class VisionGatedMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vc: QwenVisionConfig) -> None:
+    """``parts``: (norm1, norm2, attn, mlp) built by another family (GLM-4.1V's,
+    models/glm4v.py), else the variant's."""
+
+    def __init__(self, vc: QwenVisionConfig,
+                 parts: tuple[nn.Module, nn.Module, VisionAttention, nn.Module] | None = None) -> None:
         super().__init__()
-        self.norm1 = _norm(vc, vc.hidden_size)
-        self.norm2 = _norm(vc, vc.hidden_size)
-        self.attn = VisionAttention(vc)
-        self.mlp: nn.Module = VisionGatedMLP(vc) if vc.variant == "qwen2_5_vl" else VisionMLP(vc)
+        if parts is None:
+            mlp: nn.Module = VisionGatedMLP(vc.hidden_size, vc.intermediate_size, vc.hidden_act) \
+                if vc.variant == "qwen2_5_vl" else VisionMLP(vc)
+            parts = (_norm(vc, vc.hidden_size), _norm(vc, vc.hidden_size), VisionAttention(vc), mlp)
+        self.norm1, self.norm2, self.attn, self.mlp = parts
 
     def forward(self, x: torch.Tensor, rope: Rope, segments: list[tuple[int, int]]) -> torch.Tensor:
         if rope.table is None or not isinstance(self.norm1, VisionRMSNorm):
@@ -356,8 +390,7 @@ class VisionTower(nn.Module):
         sizes = [t * h * w for t, h, w in grids]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         # full attention within one frame group: an image, or one grid step t of a video
-        # (transformers' cu_seqlens: h x w repeated t times)
-        images = [(s + i * h * w, h * w) for s, (t, h, w) in zip(starts, grids, strict=True) for i in range(t)]
+        images = frame_segments(grids)
         windowed = vc.variant == "qwen2_5_vl" and len(vc.fullatt_block_indexes) < vc.depth
         back: torch.Tensor | None = None
         windows: list[tuple[int, int]] = images
@@ -378,11 +411,7 @@ class VisionTower(nn.Module):
 
             x, cos, sin = permute(x), permute(cos), permute(sin)
             back = torch.argsort(blocks)
-        rope = Rope(cos, sin)
-        if self.kernels if self.kernels is not None else x.is_cuda:
-            half = cos.shape[1] // 2
-            rope.table = torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()
-            rope.index = torch.arange(x.shape[0], device=x.device)
+        rope = Rope.of(cos, sin, self.kernels if self.kernels is not None else x.is_cuda)
         for i, blk in enumerate(self.blocks):
             full = not windowed or i in vc.fullatt_block_indexes
             x = blk(x, rope, images if full else windows)
@@ -396,11 +425,15 @@ class QwenImageEncoder(nn.Module):
     def __init__(self, vc: QwenVisionConfig) -> None:
         super().__init__()
         self.config = vc
-        self.visual: VisionTower | Qwen3VisionTower
+        self.visual: VisionTower | Qwen3VisionTower | Glm4vVisionTower
         if vc.variant == "qwen3_vl":
             from flashpage.models.qwen3_vl import Qwen3VisionTower
 
             self.visual = Qwen3VisionTower(vc)
+        elif vc.variant == "glm4v":
+            from flashpage.models.glm4v import Glm4vVisionTower
+
+            self.visual = Glm4vVisionTower(vc)
         else:
             self.visual = VisionTower(vc)
         # the most rows one tower call takes (activation_bytes: what the engine reserved)
@@ -438,7 +471,11 @@ class QwenImageEncoder(nn.Module):
         ``vision``: the request's own processing settings (its mm_processor_kwargs,
         config.request_mm_processing: pixel bounds and fps; None: the engine's); the
         tower's weights and the rest of the preprocessing are the engine's either way."""
-        vc = self.config
+        images, vids = self._admit(data, vision)
+        return self._expand(ids, images, vids)
+
+    def _admit(self, data: Any, vision: QwenVisionConfig | None) -> tuple[list[QwenImage], list[QwenImage]]:
+        """``prepare``'s items: multi_modal_data checked, its images and videos admitted."""
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
                              f"got {type(data).__name__}")
@@ -447,30 +484,38 @@ class QwenImageEncoder(nn.Module):
             raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" and \"video\"")
         if "image" not in data and "video" not in data:
             raise ValueError("multi_modal_data has no \"image\" nor \"video\"")
-        items: list[QwenImage] = []
-        counts: dict[int, list[int]] = {vc.image_token_id: [], vc.video_token_id: []}
+        pix: list[QwenImage] = []
         if "image" in data:
             given = data["image"]
             images = list(given) if isinstance(given, (list, tuple)) else [given]
             if not images:
                 raise ValueError("multi_modal_data[\"image\"] is an empty list")
             pix = [self.admit_image(img, i, vision) for i, img in enumerate(images)]
-            items += pix
-            counts[vc.image_token_id] = [self.num_rows(p) for p in pix]
-        if "video" in data:
-            vids = [self.admit_video(v, i, vision) for i, v in enumerate(video_items(data["video"]))]
-            if vc.variant == "qwen3_vl":  # one input per frame group, its timestamp text before it
-                ids, vids = self._qwen3_videos(ids, vids)
-            items += vids
-            counts[vc.video_token_id] = [self.num_rows(v) for v in vids]
+        vids = [self.admit_video(v, i, vision) for i, v in enumerate(video_items(data["video"]))] \
+            if "video" in data else []
+        return pix, vids
+
+    def _expand(self, ids: list[int], images: list[QwenImage], vids: list[QwenImage]
+                ) -> tuple[list[int], list[MultiModalInput]]:
+        """``prepare``'s prompt: each <|image_pad|> / <|video_pad|> made its item's rows
+        (Qwen3-VL's videos: their frame groups with their timestamps), and the inputs."""
+        vc = self.config
+        if vids and vc.variant == "qwen3_vl":  # one input per frame group, its timestamp text before it
+            ids, vids = self._qwen3_videos(ids, vids)
+        counts = {vc.image_token_id: [self.num_rows(p) for p in images],
+                  vc.video_token_id: [self.num_rows(v) for v in vids]}
         ids, starts = expand_pads(ids, counts, {vc.image_token_id: ("image", "<|image_pad|>"),
                                                 vc.video_token_id: ("video", "<|video_pad|>")})
-        m = vc.spatial_merge_size
         offsets = starts[vc.image_token_id] + starts[vc.video_token_id]
-        out = [MultiModalInput(s, self.num_rows(p), _digest(p), p, grid=(p.grid[0], p.grid[1] // m, p.grid[2] // m),
-                               time_step=p.time_step)
-               for s, p in zip(offsets, items, strict=True)]
+        out = [self.input_at(s, p) for s, p in zip(offsets, images + vids, strict=True)]
         return ids, sorted(out, key=lambda mi: mi.offset)
+
+    def input_at(self, offset: int, item: QwenImage) -> MultiModalInput:
+        """An admitted image (video, frame group) as the input whose rows start at ``offset``:
+        its merged grid, digest and temporal step."""
+        m = self.config.spatial_merge_size
+        return MultiModalInput(offset, self.num_rows(item), _digest(item), item,
+                               grid=(item.grid[0], item.grid[1] // m, item.grid[2] // m), time_step=item.time_step)
 
     def _qwen3_videos(self, ids: list[int], vids: list[QwenImage]) -> tuple[list[int], list[QwenImage]]:
         """Qwen3-VL: the prompt with each video's frame groups and timestamps written out
@@ -502,11 +547,11 @@ class QwenImageEncoder(nn.Module):
             if (not video.video or h % vc.spatial_merge_size or w % vc.spatial_merge_size
                     or not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
                     or tuple(x.shape) != (t * tp, 3, h * ps, w * ps)
-                    or (vc.variant == "qwen3_vl" and len(video.timestamps or ()) != t)):
+                    or (self.timestamped and len(video.timestamps or ()) != t)):
                 raise ValueError(f"video {i}: a QwenImage video must hold uint8 frames [t x {tp}, 3, "
-                                 f"h x {ps}, w x {ps}] of its grid (Qwen3-VL: and t timestamps)")
+                                 f"h x {ps}, w x {ps}] of its grid (Qwen3-VL, GLM-4.1V: and t timestamps)")
             return video
-        if vc.variant == "qwen3_vl":
+        if self.timestamped:
             return self._admit_qwen3_video(video, i, vc)
         frames, fps = read_video(video, i)
         try:
@@ -520,9 +565,22 @@ class QwenImageEncoder(nn.Module):
             step = vc.tokens_per_second * (vc.temporal_patch_size / rate)
         return QwenImage(None, grid, pixels, video=True, time_step=step)
 
+    @property
+    def timestamped(self) -> bool:
+        """Whether a video is cut into frame groups with their times written in the prompt
+        (Qwen3-VL's; GLM-4.1V's): its frames resized under the whole video's bound."""
+        return self.config.variant in ("qwen3_vl", "glm4v")
+
+    def _video_times(self, indices: list[int], fps: float) -> list[float]:
+        """A video's frame groups' times in seconds, its frames ``indices`` of a video at
+        ``fps`` (Qwen3-VL's: each group's mean; models/qwen3_vl_video.py)."""
+        from flashpage.models import qwen3_vl_video as q3
+
+        return q3.timestamps(indices, fps, self.config.temporal_patch_size)
+
     def _admit_qwen3_video(self, video: Any, i: int, vc: QwenVisionConfig) -> QwenImage:
-        """A Qwen3-VL video (models/qwen3_vl_video.py): its frames as given, resized under the
-        whole video's pixel bounds, and its frame groups' timestamps."""
+        """A Qwen3-VL (or GLM-4.1V) video (models/qwen3_vl_video.py): its frames as given,
+        resized under the whole video's pixel bounds, and its frame groups' timestamps."""
         from flashpage.models import qwen3_vl_video as q3
 
         meta = None
@@ -536,8 +594,7 @@ class QwenImageEncoder(nn.Module):
                                            vc.spatial_merge_size, vc.temporal_patch_size)
         except ValueError as e:  # too few frames, an aspect ratio over 200
             raise ValueError(f"video {i} could not be read: {e}") from e
-        times = q3.timestamps(indices if indices is not None else list(range(frames.shape[0])), rate,
-                              vc.temporal_patch_size)
+        times = self._video_times(indices if indices is not None else list(range(frames.shape[0])), rate)
         return QwenImage(None, grid, pixels, video=True, timestamps=tuple(times))
 
     def video_values(self, video: Any, i: int = 0) -> QwenImage:
@@ -577,7 +634,7 @@ class QwenImageEncoder(nn.Module):
         if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
                                    and image.dim() == 3 and image.shape[0] == 3):
             try:
-                pixels, grid = resize(image, (vision or vc).processing, vc.patch_size, vc.spatial_merge_size)
+                pixels, grid = self._resize(image, (vision or vc).processing)
             except (OSError, ValueError) as e:  # a truncated file, an aspect ratio over 200
                 raise ValueError(f"image {i} could not be read: {e}") from e
             if resized_only:
@@ -589,6 +646,11 @@ class QwenImageEncoder(nn.Module):
                              f"{list(image.shape)}")
         raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or a "
                          "uint8 [3, H, W] tensor")
+
+    def _resize(self, image: Any, proc: QwenImageProcessing) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """An image -> (its uint8 pixels at the processor's size, its grid): smart_resize's
+        (models/qwen2_vl_image.py; GLM-4.1V's encoder bounds it as two frames)."""
+        return resize(image, proc, self.config.patch_size, self.config.spatial_merge_size)
 
     def fuse(self) -> None:
         """After loading (load_weights reads the checkpoint's own names): the gated MLPs'
@@ -608,17 +670,25 @@ class QwenImageEncoder(nn.Module):
         unit = vc.patch_size * vc.spatial_merge_size
         video = vc.video_processing or vc.processing
         video_rows = video.max_pixels // unit ** 2
-        if vc.variant == "qwen3_vl":  # its bound is the whole video's: a frame group holds 1 / 2 of it at most
+        if self.timestamped:  # its bound is the whole video's: a frame group holds 1 / 2 of it at most
             video_rows //= vc.temporal_patch_size
-        rows = max(rows, vc.processing.max_pixels // unit ** 2, video_rows)
+        rows = max(rows, vc.processing.max_pixels // self.image_bound_frames // unit ** 2, video_rows)
         self.call_rows = rows
-        patches = rows * vc.spatial_merge_size ** 2
+        return rows * vc.spatial_merge_size ** 2 * self._patch_bytes(vc.intermediate_size)
+
+    # how many frames an image counts as under the image processor's pixel bounds (GLM-4.1V's:
+    # temporal_patch_size)
+    image_bound_frames = 1
+
+    def _patch_bytes(self, inter: int) -> int:
+        """``activation_bytes``' bytes per patch, the blocks' MLP ``inter`` wide."""
+        vc = self.config
         b = self.visual.patch_embed.proj.weight.element_size()
-        h, i = vc.hidden_size, vc.intermediate_size + (-vc.intermediate_size % 64)
+        h, i = vc.hidden_size, inter + (-inter % 64)
         per = (8 * h + 4 * i) * b + 2 * h * 4 + 3 * (h // vc.num_heads) * 4 + 2 * vc.patch_dim * 4
         # Qwen3-VL: the deepstack mergers' outputs, kept to the end of the call (per row)
         deep = len(vc.deepstack_visual_indexes) * 2 * vc.out_hidden_size * b // vc.spatial_merge_size ** 2
-        return patches * (per + deep)
+        return per + deep
 
     def admit_image(self, image: Any, i: int = 0, vision: QwenVisionConfig | None = None) -> QwenImage:
         """What a request keeps of an image (the server prepares it on a worker thread):
@@ -696,13 +766,15 @@ def _digest(image: QwenImage) -> bytes:
     return hashlib.blake2b(kind + digest(data) + repr(image.grid).encode(), digest_size=32).digest()
 
 
-def expand_pads(ids: list[int], counts: dict[int, list[int]], names: dict[int, tuple[str, str]]
+def expand_pads(ids: list[int], counts: dict[int, list[int]], names: dict[int, tuple[str, str]],
+                wrap: tuple[str, str] = ("<|vision_start|>", "<|vision_end|>")
                 ) -> tuple[list[int], dict[int, list[int]]]:
     """A prompt's ids with each placeholder token's i-th occurrence made ``counts[token][i]``
     of it (as Qwen2VLProcessor: <|image_pad|> per image, <|video_pad|> per video), and each
     item's first position, per token. A token's ids already expanded (one run of exactly
     counts[token][i] per item) are kept. A ValueError names a count that does not match
-    (``names[token]``: the item's name and the token's)."""
+    (``names[token]``: the item's name and the token's; ``wrap``: the markers around a
+    placeholder the error shows)."""
     keep: dict[int, bool] = {}
     for token, want in counts.items():
         runs = token_runs(ids, token)
@@ -716,7 +788,7 @@ def expand_pads(ids: list[int], counts: dict[int, list[int]], names: dict[int, t
             item, name = names[token]
             raise ValueError(f"the prompt has {total} {item} token(s) ({name}, id {token}) but "
                              f"{len(want)} {item}(s) were given: put one "
-                             f"<|vision_start|>{name}<|vision_end|> in the prompt per {item}")
+                             f"{wrap[0]}{name}{wrap[1]} in the prompt per {item}")
     out: list[int] = []
     starts: dict[int, list[int]] = {t: [] for t in counts}
     at = dict.fromkeys(counts, 0)

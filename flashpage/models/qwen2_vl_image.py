@@ -24,6 +24,7 @@ kernel transformers' torchvision processor runs): equal to transformers' PIL pro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,13 +69,16 @@ def patchify(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Te
     return p.reshape(gt * gh * gw, c * temporal * patch * patch).contiguous()
 
 
-def resize(image: Any, proc: QwenImageProcessing, patch: int, merge: int
+def resize(image: Any, proc: QwenImageProcessing, patch: int, merge: int,
+           size: Callable[[int, int], tuple[int, int]] | None = None
            ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """A PIL image (or a uint8 [3, H, W] tensor) -> (uint8 [3, h, w] at smart_resize's size,
-    its patch grid (1, h / patch, w / patch)): the host's part of the preprocessing."""
+    or ``size(H, W)``'s (GLM-4.1V's rule, models/glm4v.py), its patch grid (1, h / patch,
+    w / patch)): the host's part of the preprocessing."""
     x = image if isinstance(image, torch.Tensor) else pil_to_uint8(image, proc.convert_rgb)
     h, w = x.shape[1:]
-    rh, rw = smart_resize(h, w, patch * merge, proc.min_pixels, proc.max_pixels)
+    rh, rw = size(h, w) if size is not None else \
+        smart_resize(h, w, patch * merge, proc.min_pixels, proc.max_pixels)
     if (rh, rw) != (h, w):
         x = F.interpolate(x[None], size=(rh, rw), mode=proc.resample, antialias=True,
                           align_corners=False)[0]

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage.config import QwenVisionConfig
-from flashpage.models.qwen2_vl import Rope, VisionAttention, _act, vision_cos_sin
+from flashpage.models.qwen2_vl import Rope, VisionAttention, _act, frame_segments, vision_cos_sin
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -158,14 +158,8 @@ class Qwen3VisionTower(nn.Module):
         x = self.patch_embed(patches)
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = vision_cos_sin(grids, vc.spatial_merge_size, self.inv_freq, x.device)
-        sizes = [t * h * w for t, h, w in grids]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        frames = [(s + i * h * w, h * w) for s, (t, h, w) in zip(starts, grids, strict=True) for i in range(t)]
-        rope = Rope(cos, sin)
-        if self.kernels if self.kernels is not None else x.is_cuda:
-            half = cos.shape[1] // 2
-            rope.table = torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()
-            rope.index = torch.arange(x.shape[0], device=x.device)
+        frames = frame_segments(grids)
+        rope = Rope.of(cos, sin, self.kernels if self.kernels is not None else x.is_cuda)
         deep: list[torch.Tensor] = []  # in block order, as transformers appends them
         for i, blk in enumerate(self.blocks):
             x = blk(x, rope, frames)

@@ -42,19 +42,20 @@ DEFAULT_FPS = 24.0  # Qwen3VLProcessor's, for frames without metadata
 
 
 def smart_resize_video(frames: int, height: int, width: int, temporal: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+                       min_pixels: int, max_pixels: int, what: str = "frames") -> tuple[int, int]:
     """Qwen3VLVideoProcessor's smart_resize: (h, w) multiples of ``factor`` with the video's
     frames (rounded to ``temporal``) x h x w within [min_pixels, max_pixels], the aspect
     kept as near as they allow; a side under ``factor`` is scaled up first. A ValueError for
-    fewer frames than ``temporal`` or an aspect ratio over 200."""
+    fewer frames than ``temporal`` or an aspect ratio over 200 (``what`` names them:
+    GLM-4.1V's images are sized by the same rule as ``temporal`` frames, models/glm4v.py)."""
     if frames < temporal:
-        raise ValueError(f"{frames} frame(s): a Qwen3-VL video needs at least temporal_patch_size "
+        raise ValueError(f"{frames} frame(s): a video needs at least temporal_patch_size "
                          f"({temporal}) frames")
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"frames of {height} x {width}: their aspect ratio must be under 200, got "
+        raise ValueError(f"{what} of {height} x {width}: the aspect ratio must be under 200, got "
                          f"{max(height, width) / min(height, width):.1f}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor

@@ -269,7 +269,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
     video_text = getattr(encoder, "video_placeholder_text", None)  # InternVL's <video>
     if vurls and video_ids is None and video_text is None:
         raise bad_request(f"video_url content parts given, but this model ({name}) takes no video "
-                          "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL and SmolVLM2 do)",
+                          "input (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision, InternVL, SmolVLM2 and GLM-4.1V do)",
                           "messages")
     pixels = await read_images(encoder, urls, policy, vision) if urls else []
     videos = await read_videos(encoder, vurls, policy, vision) if vurls else []

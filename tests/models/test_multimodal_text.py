@@ -334,6 +334,8 @@ def test_config_errors_name_the_field(raw, match):
 
 def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: Gemma3ForConditionalGeneration, "
+                                          r"Glm4vForConditionalGeneration, "
+                                          r"Glm4vMoeForConditionalGeneration, "
                                           r"Idefics3ForConditionalGeneration, "
                                           r"InternVLChatModel, "
                                           r"InternVLForConditionalGeneration, "
