@@ -4,6 +4,8 @@
 #                                             FIRST_TOGETHER; SmolVLM2 video), then the engine form with and
 #                                             without FIRST_TOGETHER against SDPA cuDNN in turn, ROUNDS rounds
 #   BUDGET=420 bash benchmarks/gpu_s37.sh b   issue 6's table (attention_decode.py) twice
+#   BUDGET=420 bash benchmarks/gpu_s37.sh c   the GPU tests of CTESTS alone (Qwen2-Audio, GLM-4.1V / 4.5V, and
+#                                             the Qwen-VL families whose encoder code GLM-4.1V now shares)
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
 SESSION=37
@@ -23,5 +25,8 @@ b)
   done
   knobs 100
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  tests 400
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
