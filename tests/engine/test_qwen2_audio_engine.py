@@ -173,6 +173,29 @@ def test_prefix_cache_hit_on_a_repeated_audio(ckpt):
     del enc.encode
 
 
+def test_transformers_517_layout_gives_the_same_tokens(ckpt, tmp_path):
+    """The same weights as transformers 5.17's save_pretrained writes a Qwen2-Audio (a whole
+    causal LM under ``model.language_model.``, the tower and projector under ``model.``): the
+    same tokens as the published layout's."""
+    from tests.conftest import edited_copy
+
+    path, hf, proc, _ = ckpt
+    renames = (("language_model.model.", "model.language_model.model."),
+               ("language_model.lm_head.", "model.language_model.lm_head."),
+               ("audio_tower.", "model.audio_tower."),
+               ("multi_modal_projector.", "model.multi_modal_projector."))
+
+    def rename(tensors):
+        for n in list(tensors):
+            old, new = next((o, w) for o, w in renames if n.startswith(o))
+            tensors[new + n[len(old):]] = tensors.pop(n)
+
+    v517 = edited_copy(path, tmp_path / "v517", edit=rename)
+    audio = tone(0.9, 7)
+    got = _llm(v517).generate({"prompt": _text(1), "multi_modal_data": {"audio": audio}}, GREEDY, use_tqdm=False)
+    assert _tokens(got) == [_want(hf, proc, _text(1), [audio])[1]]
+
+
 def test_bad_requests_are_refused_by_name_and_leak_nothing(ckpt, tiny_checkpoint):
     """Each bad audio request in a batch beside a good one is refused naming what is wrong;
     the good one runs as transformers'; no KV block is left. limit_mm_per_prompt {"audio": 0}
