@@ -16,9 +16,8 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
 ``load_weights``:
 
 - the language model: ``language_model.model.`` (transformers 4 and what transformers 5
-  still writes), ``model.language_model.`` (transformers 5's module names; and
-  ``model.language_model.model.`` / ``model.language_model.lm_head.``, a whole causal LM under
-  them, as transformers 5.17 writes Qwen2-Audio),
+  still writes; ``language_model.model.model.``: Qwen2-Audio as transformers 5.17 saves it),
+  ``model.language_model.`` (transformers 5's module names),
   ``model.text_model.`` (Idefics3's and SmolVLM's) -> ``model.``;
   Qwen2-VL's published files: ``model.`` as it is;
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
@@ -53,11 +52,10 @@ logger = logging.getLogger(__name__)
 
 # checkpoint prefix -> ours, tried in order
 _TEXT_PREFIXES = (
+    # Qwen2-Audio as transformers 5.17's save_pretrained writes it (its language_model.model
+    # renaming applied to a whole causal LM's model.: one "model." too many; 5.25 does not)
+    ("language_model.model.model.", "model."),
     ("language_model.model.", "model."),
-    # a wrapper whose language model is a whole causal LM under transformers 5's module names
-    # (Qwen2-Audio as transformers 5.17's save_pretrained writes it)
-    ("model.language_model.model.", "model."),
-    ("model.language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
     ("model.text_model.", "model."),  # Idefics3's and SmolVLM's
     ("language_model.lm_head.", "lm_head."),
