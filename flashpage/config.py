@@ -2550,6 +2550,23 @@ QWEN3_VIDEO_MIN_PIXELS = 128 * 32 * 32
 QWEN3_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
+def video_processor_fields(folder: str | None, where: str) -> tuple[dict[str, Any], str]:
+    """A Qwen-VL checkpoint's video processor's fields as transformers finds them:
+    processor_config.json's "video_processor", else video_preprocessor_config.json, else
+    (older checkpoints) preprocessor_config.json; {} and ``where`` without any. With the file
+    read (the name errors give)."""
+    if folder:
+        proc = os.path.join(folder, "processor_config.json")
+        nested = _json_object(proc).get("video_processor") if os.path.isfile(proc) else None
+        if isinstance(nested, dict):
+            return nested, proc
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                return _json_object(path), path
+    return {}, where
+
+
 def _qwen_video_processing(folder: str | None, where: str, v3: bool = False,
                            bounds: tuple[int, int] | None = None) -> QwenImageProcessing:
     """Qwen2VLVideoProcessor's settings as transformers finds them: processor_config.json's
@@ -2558,18 +2575,7 @@ def _qwen_video_processing(folder: str | None, where: str, v3: bool = False,
     longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out. ``v3``:
     Qwen3VLVideoProcessor's (QWEN3_VIDEO_* and mean / std 0.5 by default). ``bounds``: other
     default bounds (GLM-4.1V's Glm4vVideoProcessor: CLIP's mean / std)."""
-    pc: dict[str, Any] = {}
-    if folder:
-        proc = os.path.join(folder, "processor_config.json")
-        nested = _json_object(proc).get("video_processor") if os.path.isfile(proc) else None
-        if isinstance(nested, dict):
-            pc, where = nested, proc
-        else:
-            for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-                path = os.path.join(folder, name)
-                if os.path.isfile(path):
-                    pc, where = _json_object(path), path
-                    break
+    pc, where = video_processor_fields(folder, where)
     raw_size = pc.get("size")
     size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
     if bounds is None:
@@ -3452,7 +3458,9 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Gemma 3's ``do_pan_and_scan``
     and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); Idefics3's /
     SmolVLM's ``size`` / ``do_image_splitting`` and SmolVLM2's ``do_sample_frames`` / ``num_frames``
-    / ``fps`` (idefics3_config.with_processor_kwargs); a ConfigError names a key
+    / ``fps`` (idefics3_config.with_processor_kwargs); GLM-4.1V's ``do_sample_frames`` / ``fps``
+    (its video processor's frame sampling, ``fps`` the rate it samples at:
+    models/glm4v_config.frame_sampling_of) beside its pixel bounds; a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3483,10 +3491,14 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")
-    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps", "size"})
+    glm = mc.vision.variant == "glm4v"  # Glm4vVideoProcessor's frame sampling (models/glm4v_config.py)
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps", "size", *(("do_sample_frames",) if glm else ())})
     if unknown:
         raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s processors read min_pixels, "
-                          "max_pixels, size and fps")
+                          "max_pixels, size and fps" + (
+                              " (the rate its video processor samples at) and do_sample_frames (its "
+                              "max_duration is its video processor's file's, as transformers' processor "
+                              "call ignores it)" if glm else ""))
     if "size" in kwargs:  # transformers' form (Qwen3-VL's usual one): the same two bounds
         size = kwargs["size"]
         if not isinstance(size, dict) or not size or set(size) - {"shortest_edge", "longest_edge"}:
@@ -3500,9 +3512,17 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
             kwargs["min_pixels"] = size["shortest_edge"]
         if "longest_edge" in size:
             kwargs["max_pixels"] = size["longest_edge"]
-    fps = kwargs.get("fps", mc.vision.video_fps)
-    if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
-        raise ConfigError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")
+    timing: dict[str, Any] = {}
+    if glm:  # fps: the rate do_sample_frames samples at, as Glm4vVideoProcessor reads it
+        from flashpage.models.glm4v_config import frame_sampling_of
+
+        vision: Any = mc.vision
+        timing["frame_sampling"] = frame_sampling_of(kwargs, "mm_processor_kwargs", vision.frame_sampling)
+    else:
+        fps = kwargs.get("fps", mc.vision.video_fps)
+        if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
+            raise ConfigError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")
+        timing["video_fps"] = None if fps is None else float(fps)
     procs = []
     # as transformers' processor call: the bounds given are the image's and the video's
     for proc in (mc.vision.processing, mc.vision.video_processing or mc.vision.processing):
@@ -3513,8 +3533,7 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
         if lo > hi:
             raise ConfigError(f"mm_processor_kwargs: min_pixels {lo} is above max_pixels {hi}")
         procs.append(replace(proc, min_pixels=lo, max_pixels=hi))
-    return replace(mc, vision=replace(mc.vision, processing=procs[0], video_processing=procs[1],
-                                      video_fps=None if fps is None else float(fps)))
+    return replace(mc, vision=replace(mc.vision, processing=procs[0], video_processing=procs[1], **timing))
 
 
 def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str]
@@ -3522,8 +3541,8 @@ def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str
     """vLLM's per-request ``mm_processor_kwargs`` (a prompt's, or a chat request's field)
     over the engine's (``mc``: the ModelConfig the encoder was built from, the engine-wide
     kwargs applied): the vision config this request's images / videos are preprocessed
-    with (Qwen2-VL's pixel bounds, Gemma 3's pan-and-scan), or None where they change
-    nothing (the engine's own settings given again). Checked as
+    with (Qwen2-VL's pixel bounds, GLM-4.1V's frame sampling too, Gemma 3's pan-and-scan), or
+    None where they change nothing (the engine's own settings given again). Checked as
     the engine-wide ones are (``with_mm_processor_kwargs``, the same ConfigErrors), and a
     max_pixels above the engine's for a modality the request holds (``modalities``) is
     refused: the engine reserved the encoder's activation memory for its own bound

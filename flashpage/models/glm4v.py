@@ -28,7 +28,8 @@ pixels up first (models/qwen3_vl_video.smart_resize_video, the same rule). The p
 template's ``<|begin_of_image|><|image|><|end_of_image|>``, each ``<|image|>`` made its image's
 rows (Glm4vProcessor).
 
-Videos (frames; models/qwen2_vl_video.py reads vLLM's forms) as Qwen3-VL's are run: resized
+Videos (frames; models/qwen2_vl_video.py reads vLLM's forms; sampled first where
+Glm4vVideoProcessor's do_sample_frames is asked: models/glm4v_video.py) as Qwen3-VL's are run: resized
 under the whole video's bound, cut into frame groups of temporal_patch_size frames, one
 image-like input each (get_rope_index splits video_grid_thw so too). The prompt's
 ``<|begin_of_video|><|video|><|end_of_video|>`` has its ``<|video|>`` made, per frame group,
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage.config import QwenImageProcessing
+from flashpage.config import QwenImageProcessing, QwenVisionConfig
 from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.models.qwen2_vl import (
     QwenImage,
@@ -181,6 +182,17 @@ class Glm4vImageEncoder(QwenImageEncoder):
         tp, unit = vc.temporal_patch_size, vc.patch_size * vc.spatial_merge_size
         return resize(image, proc, vc.patch_size, vc.spatial_merge_size, lambda h, w: smart_resize_video(
             tp, h, w, tp, unit, proc.min_pixels, proc.max_pixels, what="image"))
+
+    def _admit_qwen3_video(self, video: Any, i: int, vc: QwenVisionConfig) -> QwenImage:
+        """QwenImageEncoder's, its frames sampled first where Glm4vVideoProcessor is asked to
+        (do_sample_frames: its file's, the engine's or the request's mm_processor_kwargs, in
+        ``vc``; models/glm4v_video.py)."""
+        from flashpage.models.glm4v_config import Glm4vVisionConfig
+        from flashpage.models.glm4v_video import sample_video
+
+        if isinstance(vc, Glm4vVisionConfig):
+            video = sample_video(video, vc.frame_sampling, i)
+        return super()._admit_qwen3_video(video, i, vc)
 
     def _video_times(self, indices: list[int], fps: float) -> list[float]:
         """Each frame group's time: its first frame's (Glm4vProcessor's timestamps[::2]); the

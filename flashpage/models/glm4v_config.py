@@ -24,7 +24,8 @@ Read from, as transformers 5.25's Glm4vConfig / Glm4vMoeConfig read them:
 - preprocessor_config.json (Glm4vImageProcessor: size {shortest_edge, longest_edge}, default
   112 x 112 to 28 x 28 x 15000 pixels over the image taken as 2 frames; mean / std CLIP's)
   and the video processor's (Glm4vVideoProcessor: 112 x 112 to 28 x 28 x 2 x 30000 pixels
-  over the whole video).
+  over the whole video; its frame sampling, ``Glm4vFrameSampling``: do_sample_frames, fps,
+  max_duration).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from flashpage.config import (
     _positive_ints,
     _qwen_image_processing,
     _qwen_video_processing,
+    video_processor_fields,
 )
 
 # Glm4vTextConfig's defaults (the published configs name them all)
@@ -73,6 +75,43 @@ _IMAGE_PROCESSORS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil", "Glm4vImag
 
 
 @dataclass(frozen=True)
+class Glm4vFrameSampling:
+    """Glm4vVideoProcessor's frame sampling (models/glm4v_video.py): with ``sample``
+    (do_sample_frames), ``fps`` frames a second of a video up to ``max_duration`` seconds
+    long, else int(max_duration x fps) frames spread over it. Off unless the video
+    processor's file or mm_processor_kwargs ask (do_sample_frames and fps; max_duration is
+    the file's alone, as transformers' processor call ignores it). The class's own default,
+    on, is not taken where its file does not name it: frames are then taken as given, as
+    Qwen3-VL's are (a file engine/video_io.py decodes is sampled there already)."""
+
+    sample: bool = False
+    fps: float = 2.0
+    max_duration: float = 300.0
+
+
+def frame_sampling_of(d: dict[str, Any], where: str, base: Glm4vFrameSampling) -> Glm4vFrameSampling:
+    """``base`` with ``d``'s do_sample_frames / fps / max_duration over it (the video
+    processor's fields, or mm_processor_kwargs); a ConfigError names a bad value."""
+    sample = d.get("do_sample_frames", base.sample)
+    if sample is None:  # a file's null: the default
+        sample = base.sample
+    if not isinstance(sample, bool):
+        raise ConfigError(f"{where}: do_sample_frames must be true or false, got {sample!r}")
+    out = {}
+    for key in ("fps", "max_duration"):
+        v = d.get(key)
+        v = getattr(base, key) if v is None else v
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ConfigError(f"{where}: {key} must be a positive number, got {v!r}")
+        out[key] = float(v)
+    if sample and out["fps"] * out["max_duration"] < 1:
+        raise ConfigError(f"{where}: do_sample_frames with fps {out['fps']:g} and max_duration "
+                          f"{out['max_duration']:g} would pick no frame of a video longer than max_duration "
+                          "(int(max_duration x fps) frames): their product must be at least 1")
+    return Glm4vFrameSampling(sample, out["fps"], out["max_duration"])
+
+
+@dataclass(frozen=True)
 class Glm4vVisionConfig(QwenVisionConfig):
     """GLM-4.1V's image side: QwenVisionConfig's fields (variant "glm4v"; ``intermediate_size``
     the merger's gated MLP, each block's of ``out_hidden_size``; ``num_position_embeddings``
@@ -83,6 +122,7 @@ class Glm4vVisionConfig(QwenVisionConfig):
     attention_bias: bool = False  # on the blocks' qkv (never on their proj)
     video_start_token_id: int = 151_341  # <|begin_of_video|>
     video_end_token_id: int = 151_342  # <|end_of_video|>
+    frame_sampling: Glm4vFrameSampling = Glm4vFrameSampling()
 
 
 def _int(v: Any) -> bool:
@@ -195,6 +235,7 @@ def glm4v_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
         tokens["image_end_token_id"],
         processing=_qwen_image_processing(folder, sizes, where, _IMAGE_PROCESSORS, IMAGE_BOUNDS),
         video_processing=_qwen_video_processing(folder, where, bounds=VIDEO_BOUNDS),
+        frame_sampling=frame_sampling_of(*video_processor_fields(folder, where), Glm4vFrameSampling()),
         num_position_embeddings=(v["image_size"] // v["patch_size"]) ** 2,
         rms_norm_eps=float(eps), attention_bias=bias,
         video_start_token_id=tokens["video_start_token_id"], video_end_token_id=tokens["video_end_token_id"])

@@ -9,6 +9,8 @@ block. fp32, CPU; one CUDA test in bf16 (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,112 @@ def test_video_frame_groups_equal_transformers(glm, monkeypatch):
     group = [vc.vision_start_token_id, *[vc.image_token_id] * 6, vc.vision_end_token_id, *zero]
     assert got[at:at + 2 + 3 * len(group)] == [vc.video_start_token_id, *group * 3, vc.video_end_token_id]
     assert _tokens([chat])[0] == _want(hf, llm, chat, videos=[frames])
+
+
+def _video(n: int, seed: int = 40) -> np.ndarray:
+    return np.stack([np.asarray(smooth_image(60, 90, seed=seed + i)) for i in range(n)])
+
+
+def _hf_sampled(path, hf, llm, monkeypatch, text: str, frames, meta: dict, max_duration: float = 300,
+                **call) -> tuple[list[int], list[int] | None, list[int]]:
+    """(Glm4vProcessor's ids for ``text`` with the video (``frames``, ``meta``), transformers'
+    greedy tokens on them (None without ``hf``), the frames it picked): its video processor a
+    stand-in (Glm4vVideoProcessor needs torchvision) sampling by transformers' own code
+    (BaseVideoProcessor._decode_and_sample_videos with Glm4vVideoProcessor.sample_frames;
+    ``max_duration`` its init setting, ``call``'s do_sample_frames / fps the processor call's,
+    routed by it) and giving our patches of the frames it picked; its metadata (the picks)
+    writes the frame groups' times."""
+    import types
+    from functools import partial
+
+    from transformers import BatchFeature
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    enc = llm.engine.mm_encoder
+    picked: list = []
+
+    class StandIn:
+        merge_size = 2
+
+        def __call__(self, videos, **kw):
+            own = types.SimpleNamespace(fps=Glm4vVideoProcessor.fps, max_duration=max_duration)
+            pick = partial(Glm4vVideoProcessor.sample_frames, own, fps=kw.get("fps"))
+            vids, md = BaseVideoProcessor._decode_and_sample_videos(
+                types.SimpleNamespace(), videos, video_metadata=kw.get("video_metadata"),
+                do_sample_frames=kw.get("do_sample_frames"), sample_indices_fn=pick)
+            picked[:] = [(enc.video_values(np.asarray(v)), m.frames_indices.tolist()) for v, m in zip(vids, md, strict=True)]
+            return BatchFeature({"video_grid_thw": torch.tensor([list(v.grid) for v, _ in picked]),
+                                 "video_metadata": md})
+
+    proc = glm4v_processor(path, monkeypatch)
+    proc.video_processor = StandIn()
+    ids = proc(text=[text], videos=[frames], video_metadata=[meta], **call)["input_ids"][0]
+    tokens = None if hf is None else hf_glm4v_greedy(hf, ids, None, MAX_NEW, [v for v, _ in picked])
+    return ids, tokens, picked[0][1]
+
+
+def test_frame_sampling_equals_transformers(glm, monkeypatch, tmp_path):
+    """Glm4vVideoProcessor's do_sample_frames (models/glm4v_video.py) asked per request: 30
+    frames at 10 fps sampled at 2 a second (no duration given: 4 s from the count; frames 0,
+    5, ..., 25, 29 and 29 again, four groups at 0, 1, 2 and 2 s) and at 1.5 a second over 3 s
+    (0, 7 | 14, 20: two groups at 0 and 1 s): Glm4vProcessor's ids (transformers' own picks
+    and times) and its greedy tokens. Asked by the video processor's file (max_duration 2
+    under the 3 s video: 4 frames over it, 0, 10, 20, 29): Glm4vProcessor's ids with that
+    setting, and the tokens of those frames given as they are; a request's do_sample_frames
+    false takes the frames as given. Refused by name beside good requests: a video without
+    fps, picks a sampled video lacks, a bad fps, a key transformers' call ignores."""
+    import json
+    import shutil
+
+    path, hf = glm
+    llm = _llm(path)
+    text = "watch <|begin_of_video|><|video|><|end_of_video|> now"
+    v30 = _video(30)
+    m30 = {"fps": 10.0, "total_num_frames": 30}
+    m3s = {**m30, "duration": 3.0}
+    k2, k15 = {"do_sample_frames": True}, {"do_sample_frames": True, "fps": 1.5}
+    want = [_hf_sampled(path, hf, llm, monkeypatch, text, v30, m30, **k2),
+            _hf_sampled(path, hf, llm, monkeypatch, text, v30, m3s, **k15)]
+    assert [picks for _, _, picks in want] == [[0, 5, 10, 15, 20, 25, 29, 29], [0, 7, 14, 20]]
+    tok = llm.get_tokenizer()
+    times = [re.findall(r"<\|end_of_image\|>\s*(\d+)", tok.decode(ids)) for ids, _, _ in want]
+    assert times == [["0", "1", "2", "2"], ["0", "1"]]
+    sampled = (v30[::3], {**m30, "frames_indices": list(range(0, 30, 3))})  # a file sampled already
+    bad = [({"video": v30}, k2, "video 0: do_sample_frames picks frames by the video's fps (2 a second of it), "
+            "but its metadata gives none"),
+           ({"video": sampled}, k2, "video 0: do_sample_frames picks frame(s) [5, 10, 20, 25, 29] of its 30, which it "
+            "does not hold"),
+           ({"video": (v30, m30)}, {**k2, "fps": 0}, "mm_processor_kwargs: fps must be a positive number, got 0"),
+           ({"video": (v30, m30)}, {**k2, "max_duration": 2}, "mm_processor_kwargs ['max_duration']")]
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"video": (v30, m30)}, "mm_processor_kwargs": k2},
+                         *({"prompt": text, "multi_modal_data": d, "mm_processor_kwargs": k} for d, k, _ in bad),
+                         {"prompt": text, "multi_modal_data": {"video": (v30, m3s)}, "mm_processor_kwargs": k15}],
+                        GREEDY, use_tqdm=False)
+    assert [outs[0].prompt_token_ids, outs[-1].prompt_token_ids] == [ids for ids, _, _ in want]
+    assert _tokens([outs[0], outs[-1]]) == [t for _, t, _ in want]
+    for out, (_, _, needle) in zip(outs[1:-1], bad, strict=True):
+        assert out.error is not None and needle in out.error, out.error
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    # the video processor's file asks (its pixel bounds the image processor's, as the tiny
+    # checkpoint's videos take them): no request's kwargs needed
+    folder = tmp_path / "sampled"
+    shutil.copytree(path, folder)
+    size = json.loads((path / "preprocessor_config.json").read_text())["size"]
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Glm4vVideoProcessor", "size": size, "do_sample_frames": True, "max_duration": 2}))
+    ids, _, picks = _hf_sampled(path, None, llm, monkeypatch, text, v30, m3s, max_duration=2, do_sample_frames=True)
+    assert picks == [0, 10, 20, 29]
+    outs = _llm(folder).generate([{"prompt": text, "multi_modal_data": {"video": (v30, m3s)}},
+                                  {"prompt": text, "multi_modal_data": {"video": (v30, m3s)},
+                                   "mm_processor_kwargs": {"do_sample_frames": False}}], GREEDY, use_tqdm=False)
+    # the engine on transformers' picks given as they are (frames as given are transformers':
+    # test_video_frame_groups_equal_transformers)
+    given = llm.generate([{"prompt": text, "multi_modal_data": {"video": (v30[picks], {**m3s, "frames_indices": picks})}},
+                          {"prompt": text, "multi_modal_data": {"video": (v30, m3s)}}], GREEDY, use_tqdm=False)
+    assert outs[0].prompt_token_ids == ids == given[0].prompt_token_ids and _tokens(outs[:1]) == _tokens(given[:1])
+    assert outs[1].prompt_token_ids == given[1].prompt_token_ids != ids
+    assert _tokens(outs[1:]) == _tokens(given[1:])
 
 
 def test_prefix_cache_hits_on_a_repeated_image(glm, monkeypatch):

@@ -207,3 +207,63 @@ def test_missing_tower_tensors_are_named(tiny, tmp_path):
     path = edited_copy(tiny, tmp_path / "missing", edit=lambda t: t.pop("model.visual.downsample.bias"))
     with pytest.raises(ModelLoadError, match=r"1 vision tower weight\(s\) missing.*downsample.bias"):
         _encoder(path)
+
+
+def test_frame_picks_equal_glm4v_video_processors_and_the_settings_are_read(tiny, tmp_path):
+    """models/glm4v_video.sample_indices picks the frames Glm4vVideoProcessor.sample_frames
+    (transformers' own code, on its VideoMetadata) picks, for 1 to 401 frames at common
+    rates, durations given or not (0 too: its count's), sampling rates and max_durations
+    putting the video under and over it (3,024 cases). The settings: the video processor's
+    file (do_sample_frames, fps, max_duration) and mm_processor_kwargs (do_sample_frames,
+    fps as the sampling rate, a video's own fps left alone) over it; off without either;
+    bad values and keys transformers' processor call ignores (max_duration) named."""
+    import itertools
+    import shutil
+    import types
+
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from flashpage.config import with_mm_processor_kwargs
+    from flashpage.models.glm4v_config import Glm4vFrameSampling
+    from flashpage.models.glm4v_video import sample_indices
+
+    n = 0
+    for total, fps, rate, top in itertools.product((1, 2, 3, 7, 30, 31, 61, 200, 401), (1, 2.5, 10, 23.976, 29.97, 30, 60),
+                                                   (0.5, 1, 2, 3), (1, 5, 300)):
+        own = types.SimpleNamespace(fps=rate, max_duration=top)
+        for duration in (None, 0, total / fps, 3.3):
+            md = VideoMetadata(total_num_frames=total, fps=fps, duration=duration)
+            want = Glm4vVideoProcessor.sample_frames(own, md).tolist()
+            got = sample_indices(total, float(fps), duration, Glm4vFrameSampling(True, float(rate), float(top)))
+            assert got == want, (total, fps, duration, rate, top)
+            n += 1
+    assert n == 3024
+    folder = tmp_path / "sampled"
+    folder.mkdir()
+    shutil.copy(tiny / "config.json", folder)
+    assert ModelConfig.from_hf(folder).vision.frame_sampling == Glm4vFrameSampling(False, 2.0, 300.0)
+    vp = folder / "video_preprocessor_config.json"
+    vp.write_text(json.dumps({"video_processor_type": "Glm4vVideoProcessor", "do_sample_frames": True, "fps": 1,
+                              "max_duration": 20}))
+    mc = ModelConfig.from_hf(folder)
+    assert mc.vision.frame_sampling == Glm4vFrameSampling(True, 1.0, 20.0)
+    asked = with_mm_processor_kwargs(mc, {"do_sample_frames": False, "fps": 3})
+    assert asked.vision.frame_sampling == Glm4vFrameSampling(False, 3.0, 20.0) and asked.vision.video_fps is None
+    for kwargs, needle in (({"fps": 0}, "mm_processor_kwargs: fps must be a positive number, got 0"),
+                           ({"do_sample_frames": 1}, "do_sample_frames must be true or false, got 1"),
+                           ({"max_duration": 5, "num_frames": 4},
+                            "mm_processor_kwargs ['max_duration', 'num_frames']: Glm4vForConditionalGeneration's "
+                            "processors read min_pixels, max_pixels, size and fps (the rate its video processor "
+                            "samples at) and do_sample_frames (its max_duration is its video processor's file's")):
+        with pytest.raises(ConfigError) as e:
+            with_mm_processor_kwargs(mc, kwargs)
+        assert needle in str(e.value), str(e.value)
+    vp.write_text(json.dumps({"do_sample_frames": True, "fps": 0.5, "max_duration": 1.5}))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf(folder)
+    assert f"{vp}: do_sample_frames with fps 0.5 and max_duration 1.5 would pick no frame" in str(e.value)
+    vp.write_text(json.dumps({"do_sample_frames": "yes"}))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf(folder)
+    assert f"{vp}: do_sample_frames must be true or false, got 'yes'" in str(e.value)
