@@ -52,6 +52,21 @@ waveforms: their copy to the device and features included) against transformers'
 output). 128 requests and 32 for transformers by default; every "image" above reads "audio".
 
     python benchmarks/vlm.py --config qwen2-audio-7b-instruct --json-out $OUT/vlm_audio.json
+
+Idefics3 / SmolVLM (--config smolvlm2-500m-video-instruct: SmolVLM2-500M-Video-Instruct's
+config, preprocessor and processor files written from the published ones as we know them):
+<image> as the placeholder, uint8 pixels the engine tiles as Idefics3Processor does (512 x 512
+is resized to 2,048 on its longest edge: 4 x 4 tiles and the global image, 17 x 64 = 1,088
+rows, 1,127 prompt tokens with each tile's <fake_token_around_image><row_r_col_c> and the
+newlines); transformers' SmolVLMForConditionalGeneration beside it, fed our tiles normalized
+([images, tiles, 3, 512, 512] and pixel_attention_mask, as its processor gives them). A
+random-weights config has no tokenizer, and the expansion needs the processor's tokens: where
+the config's folder holds none, a copy of its files goes to a temporary folder with a small
+tokenizer.json that puts them at SmolVLM's published ids below <image> (49152 <global-img>,
+49153 - 49188 <row_r_col_c>, 49189 <fake_token_around_image>; "\\n" and "\\n\\n" at the two ids
+below, stand-ins). 128 requests and 32 for transformers by default.
+
+    python benchmarks/vlm.py --config smolvlm2-500m-video-instruct --json-out $OUT/vlm_smolvlm.json
 """
 
 from __future__ import annotations
@@ -61,6 +76,7 @@ import dataclasses
 import inspect
 import json
 import math
+import tempfile
 import time
 
 import numpy as np
@@ -74,7 +90,7 @@ from flashpage.sampling_params import SamplingParams
 
 AUDIO_RATE = 16_000  # the rate each audio is given at (Qwen2-Audio's own: no resampling)
 # default request counts (ours, transformers'): the image families', and the smaller ones of
-# GLM-4.1V and Qwen2-Audio (a run within 2 minutes of an H200)
+# GLM-4.1V, SmolVLM and Qwen2-Audio (a run within 2 minutes of an H200)
 REQUESTS, HF_REQUESTS = (256, 128), (64, 32)
 
 
@@ -109,15 +125,16 @@ def workload(n: int, system: int, question: int, vocab: int, placeholder: list[i
 
 
 def random_audio(g: torch.Generator, seconds: float, rate: int = AUDIO_RATE) -> np.ndarray:
-    """float32 mono, ``seconds`` long at ``rate``: three tones of random pitch (100 Hz - 3
-    kHz), loudness and phase, and a little noise (its features are not silence's)."""
+    """float32 mono in [-1, 1], ``seconds`` long at ``rate``: three tones of random pitch
+    (100 Hz - 3 kHz), loudness and phase, and a little noise (its features are not
+    silence's)."""
     n = int(round(seconds * rate))
     t = torch.arange(n, dtype=torch.float64) / rate
     hz, amp, phase = (torch.rand(3, generator=g, dtype=torch.float64) * (b - a) + a
-                      for a, b in ((100.0, 3000.0), (0.1, 0.4), (0.0, 6.0)))
+                      for a, b in ((100.0, 3000.0), (0.05, 0.3), (0.0, 6.0)))
     x = (amp[:, None] * torch.sin(2 * math.pi * hz[:, None] * t + phase[:, None])).sum(0)
     x += 0.02 * torch.randn(n, generator=g, dtype=torch.float64)
-    return x.to(torch.float32).numpy()
+    return x.clamp(-1.0, 1.0).to(torch.float32).numpy()
 
 
 @dataclasses.dataclass
@@ -128,6 +145,63 @@ class HfAudio:
 
     features: torch.Tensor
     frames: int
+
+
+IDEFICS3_ARCHS = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+
+
+def idefics3_tokens(folder: str, image_token: int, vocab: int) -> dict[str, int]:
+    """The ids an Idefics3 / SmolVLM prompt needs beside <image>, where a random-weights
+    config has no tokenizer to give them: Idefics3Processor's <fake_token_around_image>,
+    <global-img> and <row_r_col_c> (r, c up to 6) at SmolVLM's published layout around
+    <image> (49152 <global-img>, 49153 - 49188 the rows and columns, 49189 the fake token,
+    49190 <image>), and byte-level "\\n" / "\\n\\n" as stand-ins at the two ids below
+    <global-img>'s (any text ids: only the count of tokens matters here)."""
+    ids = {"<global-img>": image_token - 38, "<fake_token_around_image>": image_token - 1,
+           "\u010a": image_token - 40, "\u010a\u010a": image_token - 39,
+           **{f"<row_{r}_col_{c}>": image_token - 37 + (r - 1) * 6 + (c - 1)
+              for r in range(1, 7) for c in range(1, 7)}}
+    bad = {k: v for k, v in ids.items() if not 3 <= v < vocab}
+    if bad:
+        raise SystemExit(f"{folder}: <image> is id {image_token} in a vocabulary of {vocab}: the processor's tokens "
+                         f"cannot be laid out below it as SmolVLM's are ({len(bad)} would fall outside); give the "
+                         "config a tokenizer.json holding <fake_token_around_image>, <global-img> and <row_r_col_c>")
+    return ids
+
+
+def with_idefics3_tokenizer(config: str, tmp: str) -> str:
+    """``config`` (an Idefics3 / SmolVLM config folder, or its config.json) as it is where its
+    tokenizer files hold <fake_token_around_image>; else a copy of its json files in ``tmp``
+    with a small tokenizer.json holding idefics3_tokens' (its added tokens, at their ids:
+    what the engine reads them from) beside them."""
+    import os
+    import shutil
+
+    from flashpage.models.internvl_config import _vocab
+
+    folder = config if os.path.isdir(config) else os.path.dirname(config)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    if (cfg.get("architectures") or [None])[0] not in IDEFICS3_ARCHS or "<fake_token_around_image>" in _vocab(folder)[0]:
+        return config
+    text = cfg.get("text_config") or {}
+    vocab = cfg.get("vocab_size") or text.get("vocab_size")
+    ids = idefics3_tokens(folder, cfg.get("image_token_id", cfg.get("image_token_index", 128257)), vocab)
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(folder, name), tmp)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": t.startswith("<")} for t, i in sorted(ids.items(), key=lambda kv: kv[1])]
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+           "pre_tokenizer": None, "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "vocab": {"<unk>": 0, **ids}, "unk_token": "<unk>"}}
+    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    print(f"{folder} has no tokenizer holding <fake_token_around_image>: a small one written beside a copy of "
+          f"its files, SmolVLM's layout below <image> (<global-img> {ids['<global-img>']}, <row_1_col_1> .. "
+          f"<row_6_col_6> {ids['<row_1_col_1>']} .., <fake_token_around_image> {ids['<fake_token_around_image>']})",
+          flush=True)
+    return tmp
 
 
 def time_tower(llm: LLM, hf, items: list, batch: int, iters: int) -> dict:
@@ -160,7 +234,10 @@ def time_tower(llm: LLM, hf, items: list, batch: int, iters: int) -> dict:
         data = []
         for im in images[:batch]:
             kept = enc.admit_image(im)
-            data.append(dataclasses.replace(kept, pixels=kept.pixels.to(dev)))
+            if type(kept).__name__ == "Idefics3Image":  # each tile its own input
+                data += [t.to(dev) for t in kept.pixels.unbind(0)]
+            else:
+                data.append(dataclasses.replace(kept, pixels=kept.pixels.to(dev)))
     else:
         data = [im.to(dev) if im.dtype == torch.uint8 else im.to(dev, dtype) for im in images[:batch]]
     theirs_kw = hf_media_kwargs(hf, [enc.pixel_values(im) for im in images[:batch]], dev, enc.config.processing)
@@ -230,7 +307,19 @@ def hf_media_kwargs(hf, pixels: list, device: torch.device, proc=None) -> dict:
         width = pixels[0].features.shape[-1]
         return {"input_features": torch.stack([a.features for a in pixels]).to(device, dtype),
                 "feature_attention_mask": (torch.arange(width)[None, :] < frames[:, None]).long().to(device)}
-    if hasattr(pixels[0], "grid"):  # Qwen-VL: patches of every image in one tensor, and their grids
+    if type(pixels[0]).__name__ == "Idefics3Image":  # [B, tiles, 3, M, M], padded with zero tiles
+        from flashpage.models.clip_image import normalize
+
+        most = max(p.pixels.shape[0] for p in pixels)
+        m = pixels[0].pixels.shape[-1]
+        values = torch.zeros(len(pixels), most, 3, m, m, dtype=dtype, device=device)
+        mask = torch.zeros(len(pixels), most, m, m, dtype=torch.bool, device=device)
+        for i, p in enumerate(pixels):
+            n = p.pixels.shape[0]
+            values[i, :n] = normalize(p.pixels.to(device), proc).to(dtype)
+            mask[i, :n] = True
+        return {"pixel_values": values, "pixel_attention_mask": mask}
+    if hasattr(pixels[0], "patches"):  # Qwen-VL: patches of every image in one tensor, and their grids
         return {"pixel_values": torch.cat([p.patches for p in pixels]).to(device, dtype),
                 "image_grid_thw": torch.tensor([list(p.grid) for p in pixels], device=device)}
     if type(pixels[0]).__name__ == "InternVLImage":  # every tile of every image, in order
@@ -316,13 +405,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llava-1.5-7b")
     ap.add_argument("--requests", type=int, default=None,
-                    help=f"default {REQUESTS[0]}; {REQUESTS[1]} for GLM-4.1V and Qwen2-Audio")
+                    help=f"default {REQUESTS[0]}; {REQUESTS[1]} for GLM-4.1V, SmolVLM and Qwen2-Audio")
     ap.add_argument("--system", type=int, default=96, help="shared text tokens before the image (audio)")
     ap.add_argument("--question", type=int, default=32, help="each request's own text after the image (audio)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-requests", type=int, default=None,
-                    help=f"0: no transformers run (default {HF_REQUESTS[0]}; {HF_REQUESTS[1]} for GLM-4.1V and "
-                         "Qwen2-Audio)")
+                    help=f"0: no transformers run (default {HF_REQUESTS[0]}; {HF_REQUESTS[1]} for GLM-4.1V, SmolVLM "
+                         "and Qwen2-Audio)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--tower-batch", type=int, default=32)
     ap.add_argument("--text-twin", action=argparse.BooleanOptionalAction, default=True,
@@ -349,7 +438,10 @@ def main() -> None:
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
-    llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype,
+    config = resolve_config(args.config)
+    assert config is not None
+    tmp = tempfile.TemporaryDirectory()  # Idefics3 / SmolVLM: a small tokenizer beside a copy of the config
+    llm = LLM(random_weights_config=with_idefics3_tokenizer(config, tmp.name), dtype=args.dtype,
               gpu_memory_utilization=args.gpu_memory_utilization,
               mm_encoder_cache_tokens=args.mm_encoder_cache_tokens)
     eng = llm.engine
@@ -364,12 +456,13 @@ def main() -> None:
     qwen = isinstance(vc, QwenVisionConfig)
     gemma = kind == "Gemma3VisionConfig"  # <start_of_image>
     internvl = kind == "InternVLVisionConfig"  # <IMG_CONTEXT>, tiled by the engine
-    newer = audio or kind == "Glm4vVisionConfig"  # the families with the smaller default counts
+    idefics3 = kind == "Idefics3VisionConfig"  # <image>, tiled by the engine, each tile its own input
+    newer = audio or idefics3 or kind == "Glm4vVisionConfig"  # the families with the smaller default counts
     if args.requests is None:
         args.requests = REQUESTS[newer]
     if args.hf_requests is None:
         args.hf_requests = HF_REQUESTS[newer]
-    uint8 = qwen or gemma or internvl  # the requests carry uint8 pixels the engine preprocesses
+    uint8 = qwen or gemma or internvl or idefics3  # the requests carry uint8 pixels the engine preprocesses
     token = vc.audio_token_id if audio else vc.image_token_id  # the rows' id in the expanded prompt
     vocab = eng.model_config.vocab_size
     placeholder = list(getattr(enc, "placeholder_ids", [token]))
@@ -380,22 +473,24 @@ def main() -> None:
         placeholder = [token + 1, token, token + 2]
     size = args.image_size or getattr(vc, "image_size", 448)
     # ids a random text must not hold: the placeholders' and every other special id the
-    # encoder's config names (videos', Gemma's, InternVL's ...: a video token without a
-    # video is refused)
-    named = (getattr(vc, f.name) for f in dataclasses.fields(vc) if f.name.endswith("_token_id"))
-    avoid = frozenset({*placeholder, *(t for t in named if isinstance(t, int))})
+    # encoder's config names (videos', Gemma's, InternVL's, Idefics3's <row_r_col_c> ...: a
+    # video token without a video is refused)
+    named = [getattr(vc, f.name) for f in dataclasses.fields(vc) if f.name.endswith(("_token_id", "_ids"))]
+    avoid = frozenset({*placeholder, *(t for x in named for t in (x if isinstance(x, tuple) else (x,))
+                                       if isinstance(t, int))})
     seconds = args.audio_seconds if audio else 0.0
     prompts, items = workload(args.requests, args.system, args.question, vocab, placeholder, size,
                               uint8=uint8, avoid=avoid, distinct=args.distinct_images,
                               question_first=args.question_first, audio_seconds=seconds)
-    rows = enc.num_rows(enc.admit_audio(items[0]) if audio else enc.pixel_values(items[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
-    # newlines and <end_of_image> around them too, InternVL <img> and </img>)
+    # newlines and <end_of_image> around them too, InternVL <img> and </img>, Idefics3 each
+    # tile's <fake_token_around_image><row_r_col_c>)
     expanded = [enc.prepare(list(p), {modality: x})[0] for p, x in zip(prompts, items, strict=True)]
-    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma or qwen or internvl or audio) \
+    rows = expanded[0].count(token)  # (every input here is of one size)
+    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma or qwen or internvl or idefics3 or audio) \
             and args.hf_requests:
         print("transformers' side (end to end and the tower) is run for LLaVA-1.5, Gemma 3, Qwen-VL, GLM-4.1V, "
-              "InternVL and Qwen2-Audio only", flush=True)
+              "InternVL, Idefics3 / SmolVLM and Qwen2-Audio only", flush=True)
         args.hf_requests = 0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
@@ -471,7 +566,7 @@ def main() -> None:
     if args.hf_requests:
         import transformers
 
-        cfg = transformers.AutoConfig.from_pretrained(resolve_config(args.config))
+        cfg = transformers.AutoConfig.from_pretrained(config)
         # Llava / Gemma3 / Qwen2_5_VL / Glm4v / Qwen2Audio / ... ForConditionalGeneration
         cls = getattr(transformers, cfg.architectures[0])
         with torch.device(eng.device):

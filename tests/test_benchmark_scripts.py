@@ -182,38 +182,68 @@ def _tiny_qwen2_audio_config(path: Path) -> Path:
     return path
 
 
-def test_vlm_drives_glm4v_and_qwen2_audio_on_the_cpu(tmp_path, monkeypatch):
-    """benchmarks/vlm.py end to end on tiny random GLM-4.1V and Qwen2-Audio configs (fp32,
-    CPU): every request runs, transformers' own class generates on the prompts and inputs
-    our preprocessing makes (it refuses rows that do not match its features), the towers
-    are timed, and the JSON holds each family's rows and prompt lengths."""
+def _tiny_smolvlm_config(path: Path) -> Path:
+    """A tiny SmolVLM config folder: 16 x 16 tiles of 2 x 2 patches pixel-shuffled by 2 (16
+    rows a tile), the longest edge resized to 32 (2 x 2 tiles and the global one), <image>
+    250; no weights, no tokenizer (vlm.py writes the processor's tokens)."""
     import json
 
-    vlm = _vlm_module()
-    common = ["--requests", "3", "--hf-requests", "2", "--hf-batch-size", "2", "--tower-batch", "2",
-              "--output-len", "2", "--system", "8", "--question", "4", "--dtype", "float32"]
-    runs = {"glm": (_tiny_glm4v_config(tmp_path / "glm"), ["--image-size", "56"]),
-            "audio": (_tiny_qwen2_audio_config(tmp_path / "audio"), ["--audio-seconds", "0.5"])}
-    res = {}
-    for name, (cfg, extra) in runs.items():
-        out = tmp_path / f"{name}.json"
-        monkeypatch.setattr(sys, "argv", ["vlm.py", "--config", str(cfg), *common, *extra, "--json-out", str(out)])
-        vlm.main()
-        res[name] = json.loads(out.read_text())
-    for r in res.values():
-        assert r["flashpage"]["output_tokens"] == 3 * 2 and r["transformers"]["output_tokens"] == 2 * 2
-        assert r["tower"]["ours"] > 0 and r["tower"]["transformers"] > 0 and r["text_twin"]["output_tok_per_s"] > 0
-        assert r["flashpage"]["encode_calls"] >= 1
-    glm, audio = res["glm"], res["audio"]
-    # a 56 x 56 image: 4 x 4 patches merged 2 x 2; the prompt BOS, 8 shared, <|begin_of_image|>,
-    # the rows, <|end_of_image|>, 4 own
-    assert glm["modality"] == "image" and glm["flashpage"]["rows_per_image"] == 4
-    assert glm["flashpage"]["prompt_tokens_each"] == 1 + 8 + 1 + 4 + 1 + 4
+    import transformers
+
+    text = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=2)
+    transformers.SmolVLMConfig(text_config=text, vision_config=vision, image_token_id=250,
+                               scale_factor=2).save_pretrained(path)
+    transformers.SmolVLMImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16}
+                                          ).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": 16, "processor_class": "SmolVLMProcessor"}))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["SmolVLMForConditionalGeneration"]}))
+    return path
+
+
+# family: (its tiny config, vlm.py's own flags, its modality, rows an input, prompt tokens a request)
+_VLM_FAMILIES = {
+    # a 56 x 56 image: 4 x 4 patches merged 2 x 2; <|begin_of_image|> and <|end_of_image|> around
+    "glm4v": (_tiny_glm4v_config, ["--image-size", "56"], "image", 4, 4 + 2),
     # 0.5 s at 16 kHz: 50 mel frames -> 25 positions -> 12 rows; <|audio_bos|> / <|audio_eos|>
-    # around them (no tokenizer: the ids after <|AUDIO|>'s)
-    assert audio["modality"] == "audio" and audio["flashpage"]["rows_per_audio"] == 12
-    assert audio["flashpage"]["prompt_tokens_each"] == 1 + 8 + 1 + 12 + 1 + 4
-    assert "mask" in audio["tower"]["transformers_path"]
+    # (no tokenizer: the ids after <|AUDIO|>'s) around them
+    "qwen2_audio": (_tiny_qwen2_audio_config, ["--audio-seconds", "0.5"], "audio", 12, 12 + 2),
+    # 5 tiles of 16 rows, each <fake_token_around_image><row_r_col_c> (the global one's
+    # <global-img>) before its rows; "\n" after the first tile row, "\n\n" after the grid,
+    # <fake_token_around_image> at the end
+    "smolvlm": (_tiny_smolvlm_config, ["--image-size", "16"], "image", 80, 5 * 18 + 2 + 1),
+}
+
+
+@pytest.mark.parametrize("family", list(_VLM_FAMILIES))
+def test_vlm_drives_the_newer_families_on_the_cpu(family, tmp_path, monkeypatch):
+    """benchmarks/vlm.py end to end on tiny random GLM-4.1V, Qwen2-Audio and SmolVLM configs
+    (fp32, CPU): every request runs, transformers' own class generates on the prompts and
+    inputs our preprocessing makes (it refuses rows that do not match its features), both
+    towers are timed, and the JSON holds the family's rows and prompt lengths (BOS, 8 shared
+    tokens, the input's, 4 own)."""
+    import json
+
+    build, extra, modality, rows, input_tokens = _VLM_FAMILIES[family]
+    vlm = _vlm_module()
+    out = tmp_path / "vlm.json"
+    monkeypatch.setattr(sys, "argv", [
+        "vlm.py", "--config", str(build(tmp_path / family)), "--requests", "3", "--hf-requests", "2",
+        "--hf-batch-size", "2", "--tower-batch", "2", "--output-len", "2", "--system", "8", "--question", "4",
+        "--dtype", "float32", *extra, "--json-out", str(out)])
+    vlm.main()
+    r = json.loads(out.read_text())
+    ours = r["flashpage"]
+    assert ours["output_tokens"] == 3 * 2 and r["transformers"]["output_tokens"] == 2 * 2
+    assert r["tower"]["ours"] > 0 and r["tower"]["transformers"] > 0 and r["text_twin"]["output_tok_per_s"] > 0
+    assert ours["encode_calls"] >= 1
+    assert r["modality"] == modality and ours[f"rows_per_{modality}"] == rows
+    assert ours["prompt_tokens_each"] == 1 + 8 + input_tokens + 4
+    if modality == "audio":
+        assert "mask" in r["tower"]["transformers_path"]
 
 
 @pytest.mark.parametrize("kind", ["bidirectional", "additive"])
