@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -269,8 +270,12 @@ def hf_audio_mask_kind(hf) -> str:
     """How the installed transformers' Qwen2AudioModel.forward masks the encoder's padded
     positions: "bidirectional" (transformers 5.2x: create_bidirectional_mask over a 2-D
     mask) or "additive" (earlier: a [B, 1, T, T] mask of -inf at the padding's keys)."""
-    src = inspect.getsource(type(hf.model).forward)
-    return "bidirectional" if "create_bidirectional_mask" in src else "additive"
+    return _mask_kind_of(type(hf.model))
+
+
+@functools.cache
+def _mask_kind_of(cls: type) -> str:  # (read once: not in the timed calls)
+    return "bidirectional" if "create_bidirectional_mask" in inspect.getsource(cls.forward) else "additive"
 
 
 def hf_audio_features(hf, input_features: torch.Tensor, feature_attention_mask: torch.Tensor) -> torch.Tensor:
