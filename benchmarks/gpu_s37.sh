@@ -6,6 +6,8 @@
 #   BUDGET=420 bash benchmarks/gpu_s37.sh b   issue 6's table (attention_decode.py) twice
 #   BUDGET=420 bash benchmarks/gpu_s37.sh c   the GPU tests of CTESTS alone (Qwen2-Audio, GLM-4.1V / 4.5V, and
 #                                             the Qwen-VL families whose encoder code GLM-4.1V now shares)
+#   BUDGET=480 bash benchmarks/gpu_s37.sh d   benchmarks/vlm.py on the families it drives since this session
+#                                             (GLM-4.1V, Qwen2-Audio, SmolVLM2), each beside transformers
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
 SESSION=37
@@ -28,5 +30,8 @@ b)
 c)
   tests 400
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+d)
+  VLMCONFIG=${VLMCONFIG:-"glm-4.1v-9b-thinking qwen2-audio-7b-instruct smolvlm2-500m-video-instruct"} vlms 150
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
