@@ -247,8 +247,10 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(ivl_ckpt):
     vc = llm.engine.mm_encoder.config
     one = tile_image(smooth_image(16, 16), vc)
     bad = [
+        ({"prompt_token_ids": ids, "multi_modal_data": {"speech": [img, img]}},
+         ["multi_modal_data ['speech']: InternVL (InternVLForConditionalGeneration) takes \"image\" and \"video\""]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"audio": [img, img]}},
-         ["multi_modal_data ['audio']: InternVL (InternVLForConditionalGeneration) takes \"image\" and \"video\""]),
+         ['multi_modal_data["audio"] given, but this model (InternVLForConditionalGeneration) takes no audio input']),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": torch.zeros(3, 16, 16)}},
          ["uint8 pixels [3, H, W]", "[3, 16, 16] float32"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": "cat.png"}}, ["image 0 is a str"]),

@@ -317,7 +317,8 @@ def test_bad_video_requests_are_refused_by_name_and_leak_nothing(qwen):
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": v[:0]}}, ["video 0 has no frames"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": (v, {"fps": -1})}}, ["fps", "positive"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": _frames(16, 112, 112, 92)}}, ["max_model_len is 96"]),
-        ({"prompt_token_ids": ids, "multi_modal_data": {"audio": v}}, ["'audio'", "\"image\" and \"video\""]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"speech": v}}, ["'speech'", "\"image\" and \"video\""]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"audio": v}}, ['"audio"', "takes no audio input"]),
     ]
     good = {"prompt_token_ids": _ids(enc, 4, "v", 93), "multi_modal_data": {"video": v}}
     batch = [good, *(b for b, _ in bad), plain]
