@@ -19,7 +19,13 @@ from flashpage import LLM, SamplingParams
 from tests.glm4v_checkpoint import shared_glm4v_path
 from tests.llava_checkpoint import smooth_image
 from tests.server.conftest import engine_kwargs, live_server
-from tests.server.test_llava_server import MAX_TOKENS, _msg, assert_served_as, chat, data_url
+from tests.server.test_llava_server import (
+    MAX_TOKENS,
+    _msg,
+    assert_sampled_as,
+    assert_served_as,
+    data_url,
+)
 
 
 def test_image_urls_equal_llm_chat_and_count_each_images_rows(tmp_path_factory):
@@ -119,15 +125,6 @@ def test_frame_sampling_per_request(glm_video):
     want = llm.generate({"prompt_token_ids": _rendered_ids(llm.get_tokenizer(), ["video"]),
                          "multi_modal_data": {"video": [one]}}, params, use_tqdm=False)[0]
     assert want.error is None and want.prompt_token_ids.count(llm.engine.mm_encoder.config.image_token_id) == 6
-    clip = _msg("the quick brown fox", {"type": "video_url", "video_url": {"url": f"file://{root}/clip.mkv"}})
     sample = {"do_sample_frames": True, "fps": 0.5}
-    got = llm.chat(clip, params, use_tqdm=False, mm_processor_kwargs=sample)[0]
-    assert got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.outputs[0].token_ids
-    with live_server(path, engine_kw=kw) as server:
-        r = chat(server, clip, mm_processor_kwargs=sample)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == want.outputs[0].text
-        assert r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
-        r = chat(server, clip, mm_processor_kwargs={**sample, "fps": 1})
-        assert r.status_code == 400 and "do_sample_frames picks frame(s) [2, 4] of its 6" in r.text, r.text
-        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+    assert_sampled_as(llm, path, kw, f"file://{root}/clip.mkv", sample, want, {**sample, "fps": 1},
+                      "do_sample_frames picks frame(s) [2, 4] of its 6")

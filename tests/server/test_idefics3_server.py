@@ -18,8 +18,13 @@ import pytest
 from flashpage import LLM, SamplingParams
 from tests.idefics3_checkpoint import ROWS, build_tiny_idefics3
 from tests.llava_checkpoint import smooth_image
-from tests.server.conftest import engine_kwargs, live_server
-from tests.server.test_llava_server import MAX_TOKENS, _msg, assert_served_as, chat
+from tests.server.conftest import engine_kwargs
+from tests.server.test_llava_server import (
+    MAX_TOKENS,
+    _msg,
+    assert_sampled_as,
+    assert_served_as,
+)
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +133,6 @@ def test_frame_sampling_per_request(smolvlm2):
     assert "series of two frames from a 0:00:03" in text and "Frame from 00:02:" in text
     want = llm.generate({"prompt_token_ids": tok.encode(text, add_special_tokens=False),
                          "multi_modal_data": {"video": [two]}}, params, use_tqdm=False)[0]
-    clip = _msg("the quick brown fox", {"type": "video_url", "video_url": {"url": f"file://{root}/clip.mkv"}})
     sample = {"do_sample_frames": True, "num_frames": 2, "fps": 1}
-    got = llm.chat(clip, params, use_tqdm=False, mm_processor_kwargs=sample)[0]
-    assert got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.outputs[0].token_ids
-    with live_server(path, engine_kw=kw) as server:
-        r = chat(server, clip, mm_processor_kwargs=sample)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == want.outputs[0].text
-        assert r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
-        r = chat(server, clip, mm_processor_kwargs={**sample, "num_frames": 3})
-        assert r.status_code == 400 and "do_sample_frames picks frame(s) [2] of its 6" in r.text, r.text
-        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+    assert_sampled_as(llm, path, kw, f"file://{root}/clip.mkv", sample, want, {**sample, "num_frames": 3},
+                      "do_sample_frames picks frame(s) [2] of its 6")

@@ -89,6 +89,26 @@ def assert_served_as(model_dir, engine_kw: dict, cases, wants, too_long, max_mod
         assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
 
 
+def assert_sampled_as(llm: LLM, model_dir, engine_kw: dict, video_url: str, sample: dict, want,
+                      bad_sample: dict, why: str) -> None:
+    """A chat with one ``video_url`` part under the request's ``mm_processor_kwargs``
+    ``sample`` (a video processor's frame sampling) gives ``want`` (LLM.generate's output on
+    the frames it picks) through LLM.chat and a live server over ``model_dir`` (usage its
+    prompt length); ``bad_sample`` is a 400 whose body holds ``why``; no KV block stays held."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    clip = _msg("the quick brown fox", {"type": "video_url", "video_url": {"url": video_url}})
+    got = llm.chat(clip, params, use_tqdm=False, mm_processor_kwargs=sample)[0]
+    assert got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.outputs[0].token_ids
+    with live_server(model_dir, engine_kw=engine_kw) as server:
+        r = chat(server, clip, mm_processor_kwargs=sample)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want.outputs[0].text
+        assert r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        r = chat(server, clip, mm_processor_kwargs=bad_sample)
+        assert r.status_code == 400 and why in r.text, r.text
+        assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
 def _offline_text(offline: LLM, prompt: str, images) -> str:
     """LLM.generate's text for ``prompt`` as the chat template renders it (tokenized without
     the tokenizer's BOS, as apply_chat_template tokenizes) and ``images``."""
