@@ -230,6 +230,13 @@ def _seek(item, nprog, num_items, HKV: gl.constexpr, seq_lens_ptr, block_tables_
     while seq_len <= 0:  # padding rows: no tile (as the consumer sees them: cdiv(seq_len, 64) <= 0)
         item += nprog
         seq_len = gl.load(seq_lens_ptr + item // HKV, mask=item < num_items, other=1)
+    return _cursor(item, seq_len, num_items, HKV, block_tables_ptr, stride_btb)
+
+
+@gluon.jit
+def _cursor(item, seq_len, num_items, HKV: gl.constexpr, block_tables_ptr, stride_btb):
+    """The producer cursor at ``item``, whose context is ``seq_len`` keys: it, its tile count,
+    block-table row, last page and head-dim column (past the end: of the last row)."""
     b = gl.minimum(item, num_items - 1) // HKV
     bt_row = block_tables_ptr + b.to(gl.int64) * stride_btb
     return item, gl.cdiv(seq_len, _BN), bt_row, (seq_len - 1) // _PG, (item % HKV) * _D

@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.paged_decode import gluon_bf16_unsupported
-from flashpage.kernels.paged_decode_gluon import _A, _B, _MMA, _seek, _tile_blocks
+from flashpage.kernels.paged_decode_gluon import _A, _B, _MMA, _cursor, _seek, _tile_blocks
 from flashpage.kernels.tma_maps import cached_tma_maps, descriptor
 
 _LOG2E = 1.4426950408889634
@@ -228,11 +228,8 @@ def _paged_decode_gluon16_kernel(
         c2 = gl.load(row0 + gl.minimum(bt_last_col, 2))
         c3 = gl.load(row0 + gl.minimum(bt_last_col, 3))
         if seq0 > 0:
-            p_item = pid
-            p_nt = gl.cdiv(seq0, _BN)
-            p_bt_row = row0
-            p_last_page = (seq0 - 1) // _PG
-            p_col = (pid % HKV) * _D
+            p_item, p_nt, p_bt_row, p_last_page, p_col = _cursor(pid, seq0, num_items, HKV, block_tables_ptr,
+                                                                  stride_btb)
             b0 = c0
             b1 = gl.where(p_last_page >= 1, c1, b0)
             b2 = gl.where(p_last_page >= 2, c2, b1)
