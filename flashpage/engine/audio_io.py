@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashpage.engine.media import MediaPolicy, read_url
+from flashpage.engine.media import MediaPolicy, given_bytes, read_url
 
 MIN_RATE, MAX_RATE = 1_000, 192_000  # sampling rates taken (Hz)
 MAX_DECODED_SECONDS = 3_600  # a file decoding to more is refused before it is all held
@@ -248,11 +248,7 @@ def audio_bytes(source: str | bytes | bytearray | memoryview, i: int, policy: Me
     (engine/media.py: data, http(s), file:// under allowed_local_media_path)."""
     policy = policy or MediaPolicy()
     if isinstance(source, (bytes, bytearray, memoryview)):
-        raw = bytes(source)
-        if len(raw) > policy.max_bytes:
-            raise ValueError(f"audio {i}: {len(raw)} bytes given, more than {policy.max_bytes} "
-                             "(FLASHPAGE_MEDIA_MAX_BYTES)")
-        return raw
+        return given_bytes(source, i, policy, "audio")
     return read_url(source, i, policy, "audio")
 
 

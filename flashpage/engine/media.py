@@ -163,6 +163,16 @@ def _limits(policy: MediaPolicy, kind: str) -> tuple[int, float, str]:
     return policy.max_bytes, policy.fetch_timeout, "FLASHPAGE_MEDIA_MAX_BYTES"
 
 
+def given_bytes(raw: bytes | bytearray | memoryview, i: int, policy: MediaPolicy, kind: str) -> bytes:
+    """A ``kind`` file's bytes given as such (not a URL), held to the byte cap its URL
+    would be (``_limits``)."""
+    limit, _, env = _limits(policy, kind)
+    raw = bytes(raw)
+    if len(raw) > limit:
+        raise ValueError(f"{kind} {i}: {len(raw)} bytes given, more than {limit} ({env})")
+    return raw
+
+
 def _fetch(url: str, who: str, policy: MediaPolicy, kind: str) -> bytes:
     _check_host(url, policy, who)
     max_bytes, timeout, var = _limits(policy, kind)

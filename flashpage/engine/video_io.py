@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from flashpage.engine.media import MediaPolicy, read_local_file, read_url, url_scheme
+from flashpage.engine.media import MediaPolicy, given_bytes, read_local_file, read_url, url_scheme
 
 DEFAULT_NUM_FRAMES = 32  # vLLM's VideoMediaIO default
 MAX_FRAME_PIXELS = 89_478_485  # Pillow's MAX_IMAGE_PIXELS: a frame above it is refused, as an image is
@@ -159,11 +159,7 @@ def video_bytes(source: str | bytes | bytearray | memoryview, i: int, policy: Me
     multi_modal_data): a string without a URL scheme is a local file the program names."""
     policy = policy or MediaPolicy()
     if isinstance(source, (bytes, bytearray, memoryview)):
-        raw = bytes(source)
-        if len(raw) > policy.video_max_bytes:
-            raise ValueError(f"video {i}: {len(raw)} bytes given, more than {policy.video_max_bytes} "
-                             "(FLASHPAGE_VIDEO_MAX_BYTES)")
-        return raw
+        return given_bytes(source, i, policy, "video")
     if allow_path and url_scheme(source) not in ("data", "http", "https", "file"):
         return read_local_file(os.path.realpath(source), f"video {i}", policy, "video")
     return read_url(source, i, policy, "video")
